@@ -1,0 +1,32 @@
+# make demo: the built-in default job.  make test: the test suite.  Both create .venv as needed.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+export PYTHONWARNINGS := ignore
+
+.PHONY: demo test install test-fast clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch first: the pinned CPU wheel where there is no GPU, so pip never pulls a CUDA build.
+$(VENV)/.installed: setup.py $(BIN)/python
+	@if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q torch; \
+	 else $(BIN)/pip install -q torch==2.13.0; fi
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(BIN)/python train.py --recipe tiny_sft
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+test-fast: install
+	$(BIN)/python -m pytest -q tests -m "not slow"
+
+clean:
+	rm -rf runs .pytest_cache

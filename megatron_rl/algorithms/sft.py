@@ -1,0 +1,147 @@
+"""Supervised fine-tuning: cross-entropy on response tokens only.
+
+Per step: take a global batch (this DP rank's slice), forward/backward through megatron's
+schedule with the loss normalized by the global count of response tokens, optimizer step.
+Every train.eval_every steps: val/loss and val/accuracy (greedy exact match, measured by
+teacher forcing: greedy decoding reproduces the reference exactly iff every reference token,
+eos included, is the argmax given the reference prefix).
+"""
+
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl import checkpointing
+from megatron_rl.config import Config
+from megatron_rl.data import sft as sft_data
+from megatron_rl.data.tokenizer import build_char_tokenizer, load_tokenizer
+from megatron_rl.logging import RunLogger
+from megatron_rl.profiling import Profiler
+from megatron_rl.training.logprobs import argmax_equals, mask_padded_vocab, token_logprobs
+from megatron_rl.training.setup import build_trainee
+from megatron_rl.training.step import forward_backward, optimizer_step, reduce_reports, zero_grads
+
+
+def sft_loss(vocab_size: int, batch: dict, logits: torch.Tensor):
+    """(sum of response-token NLL, response-token count, report) for one microbatch."""
+    logits = mask_padded_vocab(logits, vocab_size)  # (B, S, V/tp)
+    nll = -token_logprobs(logits, batch["labels"])  # (B, S)
+    mask = batch["loss_mask"]
+    loss_sum = (nll * mask).sum()
+    tokens = mask.sum()
+    hit = argmax_equals(logits.detach(), batch["labels"]) | (mask == 0)  # (B, S)
+    report = {"loss_sum": loss_sum.detach(), "tokens": tokens, "correct": hit.all(dim=1).sum(),
+              "samples": torch.tensor(float(len(mask)))}
+    return loss_sum, tokens.int(), report
+
+
+def prepare_data(cfg: Config, run_dir: Path):
+    """Tokenizer and encoded train/val tensors; a synthetic task is generated into run_dir/data."""
+    rank0 = dist.get_rank() == 0
+    data_dir = run_dir / "data"
+    train_path, val_path = cfg.data.train_path, cfg.data.val_path
+    tok_path = cfg.data.tokenizer
+    if cfg.data.task:
+        from megatron_rl.data import arithmetic
+
+        if cfg.data.task != "arithmetic":
+            from megatron_rl.config import ConfigError
+
+            raise ConfigError(f"unknown data.task {cfg.data.task!r}; built in: 'arithmetic' (or set data.task='' and data.train_path).")
+        if rank0:
+            arithmetic.write_splits(data_dir, cfg.data.num_train, cfg.data.num_val, cfg.data.digits, cfg.data.seed)
+            if not tok_path:
+                build_char_tokenizer(arithmetic.ALPHABET, data_dir / "tokenizer")
+        train_path, val_path = data_dir / "train.jsonl", data_dir / "val.jsonl"
+        tok_path = tok_path or data_dir / "tokenizer"
+    dist.barrier()
+    tokenizer = load_tokenizer(tok_path)
+    train = sft_data.encode(sft_data.read_jsonl(train_path), tokenizer, cfg.data.seq_length, str(train_path))
+    val = sft_data.encode(sft_data.read_jsonl(val_path), tokenizer, cfg.data.seq_length, str(val_path)) if val_path else None
+    return tokenizer, train, val
+
+
+def evaluate(trainee, cfg: Config, val: dict) -> dict:
+    from functools import partial
+
+    trainee.eval()
+    micro = sft_data.microbatches(_dp_slice(val), cfg.data.micro_batch_size)
+    with torch.no_grad():
+        reports = forward_backward(trainee, micro, partial(sft_loss, cfg.model.vocab_size), forward_only=True)
+    trainee.train()
+    r = reduce_reports(reports)
+    return {"val/loss": r["loss_sum"] / max(r["tokens"], 1), "val/accuracy": r["correct"] / max(r["samples"], 1)}
+
+
+def _dp_slice(data: dict) -> dict:
+    from megatron.core import parallel_state as ps
+
+    rank, size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    return {k: v[rank::size] for k, v in data.items()}
+
+
+def run(cfg: Config, run_dir: Path) -> dict:
+    from functools import partial
+
+    from megatron.core import parallel_state as ps
+
+    tokenizer, train, val = prepare_data(cfg, run_dir)
+    if cfg.model.vocab_size == 0:
+        cfg.model.vocab_size = len(tokenizer)
+    trainee = build_trainee(cfg)
+    batches = sft_data.Batches(train, cfg.data.global_batch_size, cfg.data.seed,
+                               ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    step = 0
+    latest = checkpointing.latest_checkpoint(run_dir) if cfg.checkpoint.resume else None
+    if latest is not None:
+        state = checkpointing.load(trainee, latest)
+        step = state["step"]
+        batches.load_state_dict(state["extra"]["data"])
+    elif cfg.checkpoint.load:
+        checkpointing.load(trainee, cfg.checkpoint.load, weights_only=True)
+    if dist.get_rank() == 0:
+        tokenizer.save_pretrained(str(run_dir / "tokenizer"))
+
+    log = RunLogger(run_dir, cfg.train.max_steps, step, enabled=dist.get_rank() == 0,
+                    tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress, desc=cfg.recipe or "sft")
+    if latest is not None:
+        log.write(f"resumed from {latest} at step {step}")
+    prof = Profiler(cfg.profiling.nvtx, cfg.profiling.nsys_start, cfg.profiling.nsys_end)
+    loss_fn = partial(sft_loss, cfg.model.vocab_size)
+    best, stale, metrics = float("inf"), 0, {}
+    trainee.train()
+    while step < cfg.train.max_steps:
+        prof.step(step)
+        t0 = time.perf_counter()
+        with prof.range("train"):
+            zero_grads(trainee)
+            micro = sft_data.microbatches(batches.next(), cfg.data.micro_batch_size)
+            r = reduce_reports(forward_backward(trainee, micro, loss_fn))
+            _, grad_norm = optimizer_step(trainee)
+        step += 1
+        dt = time.perf_counter() - t0
+        metrics = {"train/loss": r["loss_sum"] / max(r["tokens"], 1),
+                   "train/accuracy": r["correct"] / max(r["samples"], 1),
+                   "train/lr": trainee.scheduler.get_lr(trainee.optimizer.param_groups[0]),
+                   "train/grad_norm": grad_norm, "perf/step_time_s": dt,
+                   "perf/tokens_per_s": cfg.data.global_batch_size * cfg.data.seq_length / dt}
+        is_last = step == cfg.train.max_steps
+        if val is not None and (is_last or (cfg.train.eval_every and step % cfg.train.eval_every == 0)):
+            with prof.range("eval"):
+                metrics.update(evaluate(trainee, cfg, val))
+            if metrics["val/loss"] < best:
+                best, stale = metrics["val/loss"], 0
+            else:
+                stale += 1
+        log.log(step, metrics)
+        stop = cfg.algorithm.early_stop_patience and stale >= cfg.algorithm.early_stop_patience
+        if stop:
+            log.write(f"early stop at step {step}: val/loss has not improved for {stale} evaluations")
+        if cfg.checkpoint.save and (is_last or stop or (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0)):
+            checkpointing.save(trainee, run_dir, step, {"data": batches.state_dict()}, cfg.checkpoint.keep)
+        if stop:
+            break
+    log.close()
+    return log.last if dist.get_rank() == 0 else metrics

@@ -1,0 +1,332 @@
+"""The configuration tree a recipe fills, and `section.field=value` overrides.
+
+Every component owns one dataclass; `Config` holds them all. Validation raises `ConfigError`
+with one sentence saying what is wrong and how to fix it; it never rewrites a value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+
+class ConfigError(ValueError):
+    """A user mistake in a recipe or an override; the message says how to fix it."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    family: str = "llama"
+    """Model family in model_providers/ (llama covers Llama/Qwen2/Qwen3-style dense models)."""
+    num_layers: int = 2
+    hidden_size: int = 64
+    ffn_hidden_size: int = 256
+    num_attention_heads: int = 4
+    num_query_groups: int = 0
+    """Key/value heads for GQA; 0 means as many as attention heads (plain multi-head attention)."""
+    head_dim: int = 0
+    """Channels per head; 0 means hidden_size // num_attention_heads."""
+    vocab_size: int = 0
+    """0 means take it from the tokenizer."""
+    max_position_embeddings: int = 4096
+    rotary_base: float = 10000.0
+    norm_epsilon: float = 1e-6
+    tie_embeddings: bool = False
+    qk_layernorm: bool = False
+    """RMSNorm on queries and keys per head (Qwen3)."""
+    qkv_bias: bool = False
+    """Bias on the query/key/value projection (Qwen2)."""
+    init_method_std: float = 0.02
+    hf_path: str = ""
+    """A Hugging Face checkpoint directory to start from (see tools/convert_checkpoint.py)."""
+
+    def validate(self):
+        _positive(self, "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
+        groups = self.num_query_groups or self.num_attention_heads
+        if self.num_attention_heads % groups:
+            raise ConfigError(
+                f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"model.num_query_groups={groups}; pick a number of key/value heads that divides it.")
+        if not self.head_dim and self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"model.hidden_size={self.hidden_size} is not divisible by model.num_attention_heads="
+                f"{self.num_attention_heads}; set model.head_dim explicitly or change the sizes.")
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    tp: int = 1
+    """Tensor parallel size."""
+    pp: int = 1
+    """Pipeline parallel size."""
+    vpp: int = 1
+    """Model chunks per pipeline stage (virtual pipeline / interleaved 1F1B); 1 means off."""
+    cp: int = 1
+    """Context parallel size."""
+    ep: int = 1
+    """Expert parallel size (MoE)."""
+    sp: bool = False
+    """Sequence parallel (needs tp > 1)."""
+    dp: int = 0
+    """Data parallel size; 0 means whatever the world size leaves after tp x pp x cp."""
+
+    def validate(self, world_size: int, model: ModelConfig | None = None):
+        _positive(self, "tp", "pp", "vpp", "cp", "ep")
+        model_parallel = self.tp * self.pp * self.cp
+        if world_size % model_parallel:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by tp x pp x cp = {self.tp} x {self.pp} x "
+                f"{self.cp} = {model_parallel}; launch a multiple of {model_parallel} processes "
+                f"(torchrun --nproc_per_node N) or change parallel.tp/pp/cp.")
+        dp = world_size // model_parallel
+        if self.dp and self.dp != dp:
+            raise ConfigError(
+                f"parallel.dp={self.dp} but world size {world_size} / (tp x pp x cp = {model_parallel}) "
+                f"= {dp}; launch {self.dp * model_parallel} processes or set parallel.dp={dp} (or 0).")
+        if self.sp and self.tp == 1:
+            raise ConfigError("parallel.sp=true needs parallel.tp > 1; set parallel.sp=false or raise tp.")
+        if self.vpp > 1 and self.pp == 1:
+            raise ConfigError("parallel.vpp > 1 needs parallel.pp > 1 (it splits each pipeline stage).")
+        if model is None:
+            return
+        groups = model.num_query_groups or model.num_attention_heads
+        for what, n in (("num_attention_heads", model.num_attention_heads),
+                        ("num_query_groups", groups), ("ffn_hidden_size", model.ffn_hidden_size)):
+            if n % self.tp:
+                raise ConfigError(
+                    f"model.{what}={n} is not divisible by parallel.tp={self.tp}; choose a tp that divides it.")
+        if model.num_layers % (self.pp * self.vpp):
+            raise ConfigError(
+                f"model.num_layers={model.num_layers} is not divisible by parallel.pp x parallel.vpp = "
+                f"{self.pp} x {self.vpp}; choose a layout whose stages get whole layers.")
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size // (self.tp * self.pp * self.cp)
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    name: Literal["adam", "sgd"] = "adam"
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this; 0 turns clipping off."""
+    distributed: bool = False
+    """Megatron's distributed optimizer: shard optimizer state over data-parallel ranks."""
+
+    def validate(self):
+        _positive(self, "lr")
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig:
+    warmup_steps: int = 0
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    decay_steps: int = 0
+    """Steps from the start to the end of decay; 0 means train.max_steps."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    task: str = "arithmetic"
+    """A built-in synthetic task ('arithmetic'), or '' to read train_path/val_path."""
+    train_path: str = ""
+    """JSONL with {"prompt", "response"} or {"messages": [...]} rows."""
+    val_path: str = ""
+    tokenizer: str = ""
+    """A Hugging Face tokenizer directory; empty means the task's own tokenizer, built locally."""
+    seq_length: int = 32
+    """Tokens per sample after padding; longer samples are refused with their row number."""
+    micro_batch_size: int = 16
+    global_batch_size: int = 64
+    """Samples per optimizer step over all data-parallel ranks."""
+    num_train: int = 20000
+    """Samples to generate for a synthetic task's training split."""
+    num_val: int = 256
+    digits: int = 3
+    """Arithmetic task: maximum digits per operand."""
+    seed: int = 0
+    """Seed for generating and shuffling data."""
+
+    def validate(self, dp: int = 1):
+        _positive(self, "seq_length", "micro_batch_size", "global_batch_size")
+        if self.global_batch_size % (self.micro_batch_size * dp):
+            raise ConfigError(
+                f"data.global_batch_size={self.global_batch_size} is not divisible by data.micro_batch_size"
+                f" x data-parallel size = {self.micro_batch_size} x {dp}; make it a multiple of "
+                f"{self.micro_batch_size * dp}.")
+        if not self.task and not self.train_path:
+            raise ConfigError("set data.task to a built-in task or data.train_path to a JSONL file.")
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    name: str = "sft"
+    """Which loop in megatron_rl/algorithms/ runs."""
+    early_stop_patience: int = 0
+    """SFT: stop after this many evaluations without a better val/loss; 0 means never stop early."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    max_steps: int = 100
+    seed: int = 1234
+    eval_every: int = 50
+    """Evaluate every N steps (and at the end); 0 means only at the end."""
+    eval_generate: bool = True
+    """Also decode the validation prompts greedily and report val/accuracy (exact match)."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """'auto' is bf16 on GPU and fp32 on CPU."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    save_every: int = 0
+    """Save every N steps (and always at the end); 0 means only at the end."""
+    resume: bool = False
+    """Continue from the latest complete checkpoint in the run directory."""
+    load: str = ""
+    """Start from the model weights of this checkpoint directory (any TP/PP layout)."""
+    save: bool = True
+    keep: int = 2
+    """How many recent checkpoints to keep; 0 keeps all."""
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    run_dir: str = ""
+    """Where outputs go; empty means runs/<recipe>."""
+    tensorboard: bool = True
+    progress: bool = True
+    """A progress bar with ETA on the console of rank 0."""
+
+
+@dataclass(kw_only=True)
+class ProfilingConfig:
+    nvtx: bool = False
+    """Wrap phases in nvtx ranges (for nsys)."""
+    nsys_start: int = -1
+    """Step where torch.cuda.profiler capture starts (run under `nsys --capture-range=cudaProfilerApi`)."""
+    nsys_end: int = -1
+
+
+@dataclass(kw_only=True)
+class Config:
+    recipe: str = ""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+
+    def validate(self, world_size: int = 1):
+        """Check everything that can be checked before a model is built."""
+        self.model.validate()
+        self.parallel.validate(world_size, self.model)
+        self.optimizer.validate()
+        self.data.validate(self.parallel.data_parallel_size(world_size))
+        _positive(self.train, "max_steps")
+        if self.train.eval_every < 0 or self.checkpoint.save_every < 0:
+            raise ConfigError("train.eval_every and checkpoint.save_every must be >= 0 (0 means at the end only).")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+def _positive(obj, *names):
+    section = _SECTION_OF.get(type(obj).__name__, type(obj).__name__)
+    for name in names:
+        value = getattr(obj, name)
+        if value <= 0:
+            raise ConfigError(f"{section}.{name}={value} must be positive.")
+
+
+_SECTION_OF = {f.type if isinstance(f.type, str) else f.type.__name__: f.name
+               for f in dataclasses.fields(Config) if f.name != "recipe"}
+
+
+# --- overrides -------------------------------------------------------------------------------
+
+
+def all_keys(cfg: Config) -> list[str]:
+    keys = []
+    for section in dataclasses.fields(cfg):
+        value = getattr(cfg, section.name)
+        if dataclasses.is_dataclass(value):
+            keys += [f"{section.name}.{f.name}" for f in dataclasses.fields(value)]
+    return keys
+
+
+def _parse_value(text: str, annotation, key: str):
+    """Turn override text into the field's type, or raise a ConfigError naming the key."""
+    hint = annotation
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):  # Optional[X]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if text.lower() in ("none", "null"):
+            return None
+        hint, origin = args[0], typing.get_origin(args[0])
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if text not in choices:
+            raise ConfigError(f"{key}={text!r} is not one of {', '.join(map(repr, choices))}.")
+        return text
+    if hint is bool:
+        low = text.lower()
+        if low in ("true", "1", "yes", "on"):
+            return True
+        if low in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{key}={text!r} is not a boolean; use true or false.")
+    if hint in (int, float):
+        try:
+            number = float(text) if hint is float else int(text)
+        except ValueError:
+            raise ConfigError(f"{key}={text!r} is not {'an integer' if hint is int else 'a number'}.") from None
+        return number
+    return text
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """Apply `section.field=value` strings in order; unknown keys name the closest valid ones."""
+    hints = {name: typing.get_type_hints(type(getattr(cfg, name)))
+             for name in (f.name for f in dataclasses.fields(cfg)) if name != "recipe"}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form section.field=value.")
+        key, text = item.split("=", 1)
+        section, _, name = key.partition(".")
+        if section not in hints or name not in hints[section]:
+            close = difflib.get_close_matches(key, all_keys(cfg), n=3, cutoff=0.5)
+            hint = f" Did you mean {', '.join(close)}?" if close else " Run with --print-config to see all keys."
+            raise ConfigError(f"unknown config key {key!r}.{hint}")
+        setattr(getattr(cfg, section), name, _parse_value(text, hints[section][name], key))
+    return cfg
+
+
+def from_dict(data: dict) -> Config:
+    """Rebuild a Config from to_dict() output (as saved in a run directory)."""
+    cfg = Config(recipe=data.get("recipe", ""))
+    for section, values in data.items():
+        if section != "recipe":
+            for name, value in values.items():
+                setattr(getattr(cfg, section), name, value)
+    return cfg

@@ -1,0 +1,32 @@
+"""Tokenizers: Hugging Face ones from a directory, or a character-level one built locally."""
+
+from pathlib import Path
+
+SPECIALS = ("<pad>", "<bos>", "<eos>")
+
+
+def build_char_tokenizer(alphabet: str, out_dir: str | Path):
+    """A character-level tokenizer over `alphabet`, saved in HF format (tokenizer.json) in out_dir."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for ch in alphabet:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+    hf.save_pretrained(str(out_dir))
+    return hf
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"tokenizer directory {str(path)!r} does not exist; set data.tokenizer to an HF tokenizer directory.")
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok

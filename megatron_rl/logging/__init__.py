@@ -1,0 +1,72 @@
+"""Run outputs on rank 0: metrics.jsonl (one flat object per step), TensorBoard, a progress bar."""
+
+import json
+import time
+from pathlib import Path
+
+# Shown in the progress bar when present, in this order.
+BAR_KEYS = ("train/loss", "val/loss", "val/accuracy", "rollout/reward_mean", "train/lr")
+
+
+class RunLogger:
+    def __init__(self, run_dir: str | Path, total_steps: int, start_step: int = 0, enabled: bool = True,
+                 tensorboard: bool = True, progress: bool = True, desc: str = "train"):
+        self.enabled = enabled
+        self.last: dict = {}
+        if not enabled:
+            return
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics = (self.run_dir / "metrics.jsonl").open("a")
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc=desc, unit="step",
+                            dynamic_ncols=True, smoothing=0.1)
+        self.t0 = time.time()
+
+    def log(self, step: int, metrics: dict):
+        """Append one step's metrics (floats) to every sink."""
+        if not self.enabled:
+            return
+        row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        self.last.update(row)
+        self.metrics.write(json.dumps(row) + "\n")
+        self.metrics.flush()
+        if self.tb is not None:
+            for k, v in row.items():
+                if k != "step":
+                    self.tb.add_scalar(k, v, step)
+        if self.bar is not None:
+            shown = {k.split("/")[-1] if k.startswith("train/") else k: f"{self.last[k]:.4g}"
+                     for k in BAR_KEYS if k in self.last}
+            self.bar.set_postfix(shown, refresh=False)
+            self.bar.n = step
+            self.bar.refresh()
+
+    def write(self, message: str):
+        if self.enabled:
+            if self.bar is not None:
+                self.bar.write(message)
+            else:
+                print(message, flush=True)
+
+    def close(self):
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        self.metrics.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,256 @@
+"""Make megatron-core 0.16.1 run on a machine without CUDA.
+
+megatron-core hard-codes CUDA: ``device="cuda"`` literals, ``torch.cuda.current_device()``
+used as a device, ``torch.cuda.synchronize``/streams/events, CUDA RNG state, ``.cuda()`` and
+``pin_memory=True``. Rather than a global ``TorchFunctionMode`` (thread-local, so absent in
+autograd backward, and 7-64% overhead on every op), each megatron module sees a stand-in
+``torch`` whose factories map cuda devices to cpu and whose ``torch.cuda`` answers on CPU.
+Compute ops are the real torch functions, untouched, so the hot path pays nothing.
+Nothing here is applied when CUDA is available.
+"""
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+
+import torch
+
+CPU = torch.device("cpu")
+
+
+def _cpu_device(device):
+    """Map any cuda device spec (str, int, torch.device) to cpu; leave others alone."""
+    if device is None:
+        return None
+    if isinstance(device, int):  # megatron passes torch.cuda.current_device() ints
+        return CPU
+    if isinstance(device, str):
+        return CPU if device.startswith("cuda") else device
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return CPU
+    return device
+
+
+def _on_cpu(fn):
+    """Wrap a torch factory so cuda devices and pinned memory become plain cpu tensors."""
+
+    def wrapper(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        kwargs.pop("pin_memory", None)  # pinning needs a CUDA driver
+        return fn(*args, **kwargs)
+
+    wrapper.__name__ = getattr(fn, "__name__", "factory")
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
+_FACTORIES = (
+    "tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint",
+    "randperm", "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor", "linspace",
+    "eye", "tril_indices", "triu_indices", "empty_strided", "Generator",
+)
+
+
+class _NullStream:
+    """Stands in for torch.cuda.Stream/Event: CPU work is synchronous, so every wait is a no-op."""
+
+    def __init__(self, *args, **kwargs):
+        self.device = CPU
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def wait_stream(self, *a, **k): pass
+    def wait_event(self, *a, **k): pass
+    def record_event(self, *a, **k): return _NullStream()
+    def record(self, *a, **k): pass
+    def synchronize(self): pass
+    def query(self): return True
+    def wait(self, *a, **k): pass
+    def elapsed_time(self, other): return 0.0
+
+
+def _noop(*args, **kwargs):
+    return None
+
+
+class _Nvtx(types.SimpleNamespace):
+    pass
+
+
+def _make_cuda_namespace():
+    real = torch.cuda
+    ns = types.ModuleType("torch.cuda(cpu)")
+    ns.__getattr__ = lambda name: getattr(real, name)  # anything not overridden: the real one
+    overrides = dict(
+        is_available=lambda: False,
+        current_device=lambda: CPU,
+        device_count=lambda: 1,
+        set_device=_noop,
+        synchronize=_noop,
+        empty_cache=_noop,
+        Stream=_NullStream,
+        Event=_NullStream,
+        stream=lambda s=None: contextlib.nullcontext(),
+        current_stream=lambda *a, **k: _NullStream(),
+        default_stream=lambda *a, **k: _NullStream(),
+        get_rng_state=lambda *a, **k: torch.get_rng_state(),
+        set_rng_state=lambda state, *a, **k: torch.set_rng_state(state),
+        manual_seed=lambda seed: torch.manual_seed(seed),
+        manual_seed_all=lambda seed: torch.manual_seed(seed),
+        memory_allocated=lambda *a, **k: 0,
+        max_memory_allocated=lambda *a, **k: 0,
+        memory_reserved=lambda *a, **k: 0,
+        max_memory_reserved=lambda *a, **k: 0,
+        reset_peak_memory_stats=_noop,
+        memory_stats=lambda *a, **k: {},
+        mem_get_info=lambda *a, **k: (0, 0),
+        get_device_properties=lambda *a, **k: types.SimpleNamespace(
+            name="cpu", total_memory=0, multi_processor_count=1, major=0, minor=0),
+        get_device_capability=lambda *a, **k: (0, 0),
+        nvtx=_Nvtx(range_push=_noop, range_pop=_noop, mark=_noop,
+                   range=lambda *a, **k: contextlib.nullcontext()),
+    )
+    for name, value in overrides.items():
+        setattr(ns, name, value)
+    return ns
+
+
+def _make_torch_namespace():
+    """A module that is torch, except for cuda-aware factories and torch.cuda."""
+    ns = types.ModuleType("torch(cpu)")
+    ns.__dict__.update({k: v for k, v in torch.__dict__.items() if not k.startswith("__")})
+    ns.__getattr__ = lambda name: getattr(torch, name)  # submodules imported after us
+    for name in _FACTORIES:
+        setattr(ns, name, _on_cpu(getattr(torch, name)))
+    ns.device = _device_on_cpu
+    ns.cuda = _make_cuda_namespace()
+    return ns
+
+
+class _DeviceMeta(type):
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, torch.device)
+
+
+class _device_on_cpu(metaclass=_DeviceMeta):
+    """torch.device that turns 'cuda'/'cuda:N' into cpu; isinstance checks still work."""
+
+    def __new__(cls, type_or_str, index=None):
+        if isinstance(type_or_str, str) and type_or_str.startswith("cuda"):
+            return CPU
+        return torch.device(type_or_str) if index is None else torch.device(type_or_str, index)
+
+
+CPU_TORCH = None  # the stand-in torch, made once by apply()
+
+
+def _patch_module(module):
+    """Point one megatron module's `torch` global at the CPU stand-in."""
+    if getattr(module, "torch", None) is torch:
+        module.torch = CPU_TORCH
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patches megatron.core modules imported after apply() as they finish loading."""
+
+    def find_spec(self, name, path, target=None):
+        if not name.startswith("megatron.core"):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            _patch_module(module)
+            _patch_specials(module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+def _cpu_rng_get(device="cuda", clone=False, graph_safe=False):
+    return torch.get_rng_state()
+
+
+def _cpu_rng_set(new_state, device=-1, graph_safe=False):
+    torch.set_rng_state(new_state)
+
+
+_real_tensor_type = torch.Tensor.type
+
+
+def _type_as_cuda(self, dtype=None, non_blocking=False, **kwargs):
+    """Tensor.type() that names a cpu tensor as its cuda twin ('torch.FloatTensor' -> 'torch.cuda.FloatTensor')."""
+    if dtype is not None:
+        return _real_tensor_type(self, dtype, non_blocking, **kwargs)
+    name = _real_tensor_type(self)
+    return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+
+
+def _cuda_type_names(fn):
+    """Run fn while Tensor.type() reports cuda names: megatron checks parameter and gradient
+    types with `t.type() == 'torch.cuda.FloatTensor'` and refuses cpu tensors otherwise."""
+
+    def wrapper(*args, **kwargs):
+        torch.Tensor.type = _type_as_cuda
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.type = _real_tensor_type
+
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
+def _patch_specials(module):
+    """The few places where a stand-in torch is not enough."""
+    name = module.__name__
+    if name == "megatron.core.optimizer.clip_grads":
+        module.clip_grad_by_total_norm_fp32 = _cuda_type_names(module.clip_grad_by_total_norm_fp32)
+    elif name == "megatron.core.optimizer.optimizer":  # imported the function by name
+        from megatron.core.optimizer import clip_grads
+
+        module.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32
+    elif name == "megatron.core.optimizer.distrib_optimizer":
+        cls = module.DistributedOptimizer
+        cls._build_model_and_main_param_groups = staticmethod(
+            _cuda_type_names(cls._build_model_and_main_param_groups))
+    elif name == "megatron.core.tensor_parallel.random":
+        # The model-parallel RNG tracker reads/writes torch.cuda.default_generators directly;
+        # on CPU the one generator is the CPU default generator.
+        module._get_cuda_rng_state = _cpu_rng_get
+        module._set_cuda_rng_state = _cpu_rng_set
+    elif name == "megatron.core.inference.communication_utils":
+        # Pipeline-parallel inference asserts its send/recv tensors are CUDA tensors.
+        module._is_cuda = lambda tensor: True
+    elif name == "megatron.core.inference.engines.dynamic_engine":
+        module.range_push = module.range_pop = _noop
+
+
+_applied = False
+
+
+def apply():
+    """Install the CPU stand-ins for megatron-core. Idempotent; a no-op once applied."""
+    global CPU_TORCH, _applied
+    if _applied:
+        return
+    CPU_TORCH = _make_torch_namespace()
+    # `.cuda()` on a tensor: megatron moves buffers with it; on CPU that is the identity.
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.nn.Module.cuda = lambda self, *args, **kwargs: self
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.core") and module is not None:
+            _patch_module(module)
+            _patch_specials(module)
+    sys.meta_path.insert(0, _PatchOnImport())
+    _applied = True

@@ -1,0 +1,106 @@
+"""Model, optimizer and LR schedule from a Config: the one place a parallel layout becomes modules."""
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rl.config import Config
+
+
+def compute_dtype(cfg: Config) -> torch.dtype:
+    """'auto' is bf16 on GPU and fp32 on CPU."""
+    precision = cfg.train.precision
+    if precision == "auto":
+        precision = "bf16" if torch.cuda.is_available() else "fp32"
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+@dataclass
+class Trainee:
+    """What a training loop works on: model chunks (one per virtual stage), optimizer, schedule."""
+
+    model: list  # DDP-wrapped GPTModel per virtual pipeline stage on this rank
+    optimizer: object
+    scheduler: object
+    config: object  # megatron TransformerConfig
+
+    def train(self):
+        for chunk in self.model:
+            chunk.train()
+
+    def eval(self):
+        for chunk in self.model:
+            chunk.eval()
+
+
+def build_model(cfg: Config, wrap_ddp: bool = True):
+    """GPTModel chunks for this rank's pipeline stage(s); DDP-wrapped for training."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    from model_providers import get_provider
+
+    dtype = compute_dtype(cfg)
+    provider = get_provider(cfg.model.family)(cfg.model, cfg.parallel, dtype)
+    tconfig = provider.transformer_config()
+    vpp = cfg.parallel.vpp
+    chunks = []
+    for vp_stage in range(vpp):
+        stage = vp_stage if vpp > 1 else None
+        chunks.append(provider.build_stage(
+            tconfig,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            vp_stage=stage,
+        ))
+    if torch.cuda.is_available():
+        for chunk in chunks:
+            chunk.cuda(torch.cuda.current_device())
+    if dtype != torch.float32:
+        chunks = [Float16Module(tconfig, chunk) for chunk in chunks]
+    if wrap_ddp:
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            use_distributed_optimizer=cfg.optimizer.distributed,
+            overlap_grad_reduce=False,
+        )
+        chunks = [
+            DistributedDataParallel(tconfig, ddp_config, chunk,
+                                    disable_bucketing=i > 0)  # only the first chunk buckets
+            for i, chunk in enumerate(chunks)
+        ]
+    return chunks, tconfig
+
+
+def build_optimizer(cfg: Config, model: list):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    o, s = cfg.optimizer, cfg.scheduler
+    dtype = compute_dtype(cfg)
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer=o.name, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+        adam_beta1=o.beta1, adam_beta2=o.beta2, adam_eps=o.eps, sgd_momentum=o.beta1,
+        clip_grad=o.clip_grad, use_distributed_optimizer=o.distributed,
+        bf16=dtype == torch.bfloat16, params_dtype=dtype,
+    ), model)
+    decay_steps = s.decay_steps or cfg.train.max_steps
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if s.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+        lr_warmup_steps=s.warmup_steps, lr_decay_steps=max(decay_steps, s.warmup_steps + 1),
+        lr_decay_style=s.decay, start_wd=o.weight_decay, end_wd=o.weight_decay,
+        wd_incr_steps=decay_steps, wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def build_trainee(cfg: Config) -> Trainee:
+    from megatron.core.distributed import finalize_model_grads
+
+    model, tconfig = build_model(cfg)
+    # The schedule calls this after the last backward: DP/embedding grad all-reduce and the
+    # division by the global token count (calculate_per_token_loss).
+    tconfig.finalize_model_grads_func = finalize_model_grads
+    optimizer, scheduler = build_optimizer(cfg, model)
+    return Trainee(model=model, optimizer=optimizer, scheduler=scheduler, config=tconfig)

@@ -1,0 +1,82 @@
+"""Forward/backward through megatron-core's pipeline schedules, and reducing what they report.
+
+A loss function gets the stage's output logits and the microbatch and returns
+(loss_sum, num_tokens, report): megatron divides gradients by the global token count
+(calculate_per_token_loss), so the result is the same whatever the microbatching and DP split.
+"""
+
+from functools import partial
+
+import torch
+
+from megatron_rl.platform import device
+
+
+def _forward_step(loss_fn, data_iterator, model):
+    batch = next(data_iterator)
+    dev = device()
+    tokens = batch["tokens"].to(dev)
+    positions = torch.arange(tokens.shape[1], device=dev).unsqueeze(0).expand_as(tokens)
+    # attention_mask=None: the local spec's attention builds its causal mask itself.
+    output = model(tokens, positions, None)
+    return output, partial(loss_fn, {k: v.to(dev) for k, v in batch.items()})
+
+
+def forward_backward(trainee, micro: list[dict], loss_fn, forward_only: bool = False) -> list[dict]:
+    """Run all microbatches through the schedule; returns the reports of the last stage (else [])."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    seq_length = micro[0]["tokens"].shape[1]
+    n_chunks = len(trainee.model)
+    data = [iter(micro) for _ in range(n_chunks)] if n_chunks > 1 else iter(micro)
+    return get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, loss_fn),
+        data_iterator=data,
+        model=trainee.model,
+        num_microbatches=len(micro),
+        seq_length=seq_length,
+        micro_batch_size=micro[0]["tokens"].shape[0],
+        forward_only=forward_only,
+    )
+
+
+def reduce_reports(reports: list[dict]) -> dict[str, float]:
+    """Sum report values over microbatches and data-parallel ranks, then share them with every rank.
+
+    Reports exist only on the last pipeline stage; it broadcasts the sums to the other stages.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    keys = sorted(reports[0]) if reports else []
+    is_last = ps.is_pipeline_last_stage(ignore_virtual=True)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        holder = [keys]
+        dist.broadcast_object_list(holder, src=ps.get_pipeline_model_parallel_last_rank(),
+                                   group=ps.get_pipeline_model_parallel_group())
+        keys = holder[0]
+    sums = torch.zeros(len(keys), dtype=torch.float64)
+    if is_last:
+        for r in reports:
+            sums += torch.stack([torch.as_tensor(r[k], dtype=torch.float64).cpu() for k in keys])
+    sums = sums.to(device())
+    if ps.get_data_parallel_world_size() > 1:
+        dist.all_reduce(sums, group=ps.get_data_parallel_group())
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(sums, src=ps.get_pipeline_model_parallel_last_rank(),
+                       group=ps.get_pipeline_model_parallel_group())
+    return dict(zip(keys, sums.cpu().tolist()))
+
+
+def optimizer_step(trainee) -> tuple[bool, float]:
+    """One optimizer + LR-schedule step after gradients were accumulated; (applied, grad_norm)."""
+    update_successful, grad_norm, _ = trainee.optimizer.step()
+    if update_successful:
+        trainee.scheduler.step(increment=1)
+    return update_successful, float(grad_norm or 0.0)
+
+
+def zero_grads(trainee):
+    for chunk in trainee.model:
+        chunk.zero_grad_buffer()
+    trainee.optimizer.zero_grad()

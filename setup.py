@@ -1,0 +1,30 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-rl",
+    version="0.1.0",
+    description="Post-training LLMs (SFT, DPO, GRPO family, PPO, distillation) on NVIDIA Megatron-Core",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*", "model_providers", "model_providers.*",
+                                    "recipes", "recipes.*"]),
+    py_modules=["train"],
+    install_requires=[
+        "megatron-core==0.16.1",
+        "torch>=2.6",  # the Makefile installs the CPU wheel torch==2.13.0 first where there is no CUDA
+        "numpy",
+        "transformers>=4.50",
+        "safetensors",
+        "sentencepiece",
+        "tokenizers",
+        "nvtx",
+        "psutil",  # dist_checkpointing's writer processes need it
+        "einops",
+        "tqdm",
+        "tensorboard",
+        "matplotlib",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]", "nvidia-modelopt"],
+        "test": ["pytest", "pytest-timeout"],
+    },
+)

@@ -1,0 +1,58 @@
+import pytest
+
+from megatron_rl.config import ConfigError, apply_overrides
+from recipes import get_recipe, list_recipes
+from tests.helpers import run_train
+
+
+def test_overrides_are_typed():
+    cfg = apply_overrides(get_recipe("tiny_sft"), ["optimizer.lr=3e-4", "train.max_steps=50",
+                                                   "optimizer.distributed=true", "scheduler.decay=linear"])
+    assert cfg.optimizer.lr == 3e-4 and cfg.train.max_steps == 50
+    assert cfg.optimizer.distributed is True and cfg.scheduler.decay == "linear"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optimizer.lrr=1", "unknown config key 'optimizer.lrr'. Did you mean optimizer.lr"),
+    ("train.max_steps=abc", "train.max_steps='abc' is not an integer"),
+    ("optimizer.distributed=maybe", "is not a boolean"),
+    ("scheduler.decay=cubic", "is not one of 'cosine', 'linear', 'constant'"),
+    ("optimizer", "is not of the form section.field=value"),
+])
+def test_bad_override_messages(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        apply_overrides(get_recipe("tiny_sft"), [override])
+
+
+def test_unknown_recipe():
+    with pytest.raises(ConfigError, match="unknown recipe 'tiny_stf'. Did you mean tiny_sft"):
+        get_recipe("tiny_stf")
+    assert "tiny_sft" in list_recipes()
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["parallel.tp=3"], 3, "model.num_attention_heads=4 is not divisible by parallel.tp=3"),
+    (["parallel.tp=2"], 3, "world size 3 is not divisible by tp x pp x cp"),
+    (["parallel.pp=4"], 4, "model.num_layers=2 is not divisible by parallel.pp x parallel.vpp"),
+    (["parallel.dp=4"], 2, "parallel.dp=4 but world size 2"),
+    (["parallel.sp=true"], 1, "parallel.sp=true needs parallel.tp > 1"),
+    (["data.global_batch_size=48"], 2, "data.global_batch_size=48 is not divisible"),
+])
+def test_invalid_layouts(overrides, world, message):
+    cfg = apply_overrides(get_recipe("tiny_sft"), overrides)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        cfg.validate(world_size=world)
+
+
+def test_cli_errors_are_one_line():
+    proc = run_train(["--recipe", "nope"], check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: unknown recipe 'nope'")
+    proc = run_train(["--recipe", "tiny_sft", "optimizer.lrr=1"], check=False)
+    assert proc.returncode == 2 and "Did you mean optimizer.lr" in proc.stderr
+
+
+def test_cli_print_config_and_list():
+    proc = run_train(["--recipe", "tiny_sft", "optimizer.lr=3e-4", "train.max_steps=50", "--print-config"])
+    assert '"lr": 0.0003' in proc.stdout and '"max_steps": 50' in proc.stdout
+    assert "tiny_sft" in run_train(["--list-recipes"]).stdout

@@ -1,0 +1,94 @@
+"""Each CPU patch in megatron_rl/platform/cpu.py: the megatron call fails without it and works with it."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_rl import platform
+from tests.helpers import ROOT
+
+SETUP_DIST = """
+import torch, torch.distributed as dist
+dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{port}', rank=0, world_size=1)
+from megatron.core import parallel_state as ps
+ps.initialize_model_parallel()
+"""
+
+# name -> code that calls megatron-core where it hard-codes CUDA
+CASES = {
+    "cuda device literals (device='cuda')": """
+from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
+print(get_grad_norm_fp32([torch.ones(4)], grad_stats_parallel_group=ps.get_model_parallel_group()))
+""",
+    "torch.cuda.current_device() as a device": """
+from megatron.core.tensor_parallel.utils import VocabUtility
+from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+print(RotaryEmbedding(8, 1.0)(4).shape)
+""",
+    "CUDA RNG tracker": """
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed, get_cuda_rng_tracker
+model_parallel_cuda_manual_seed(1)
+with get_cuda_rng_tracker().fork():
+    print(torch.rand(1))
+""",
+    "Tensor.type() == 'torch.cuda.FloatTensor' in gradient clipping": """
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+p = torch.nn.Parameter(torch.ones(4)); p.grad = torch.ones(4)
+clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=2.0)
+assert torch.allclose(p.grad, torch.full((4,), 0.5), atol=1e-5), p.grad
+""",
+    "torch.cuda.synchronize / streams / events": """
+from megatron.core.utils import get_model_config
+from megatron.core.timers import Timers
+t = Timers(2, 'minmax'); t('x', log_level=0).start(barrier=False); t('x').stop(barrier=False); print(t('x').elapsed())
+""",
+    "pin_memory=True and .cuda()": """
+from megatron.core.optimizer.grad_scaler import ConstantGradScaler
+s = ConstantGradScaler(1.0); s.load_state_dict({'scale': torch.ones(1)}); print(s.scale)
+""",
+}
+
+
+def _run(code: str, patched: bool) -> subprocess.CompletedProcess:
+    from tests.helpers import free_port
+
+    prelude = "import megatron_rl.platform\n" if patched else ""
+    script = prelude + SETUP_DIST.format(port=free_port()) + code
+    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=120)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU patches apply only without CUDA")
+@pytest.mark.parametrize("name", list(CASES))
+def test_patch_is_needed_and_works(name):
+    without = _run(CASES[name], patched=False)
+    assert without.returncode != 0, f"{name}: megatron-core ran without the patch; is it still needed?"
+    with_patch = _run(CASES[name], patched=True)
+    assert with_patch.returncode == 0, with_patch.stderr[-3000:]
+
+
+def test_launch_from_torchrun_env():
+    env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "node7", "MASTER_PORT": "1234"}
+    assert platform.read_launch(env) == platform.Launch(3, 8, 1, "node7", 1234, "torchrun")
+
+
+def test_launch_from_slurm_env():
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5",
+           "SLURM_NODELIST": "gpu[012-015,020]", "SLURM_JOB_ID": "4242"}
+    launch = platform.read_launch(env)
+    assert (launch.rank, launch.world_size, launch.local_rank, launch.master_addr, launch.launcher) == \
+        (5, 16, 5, "gpu012", "slurm")
+    assert platform.first_slurm_host("a1,b2") == "a1"
+    assert platform.first_slurm_host("node") == "node"
+
+
+def test_single_process_default():
+    assert platform.read_launch({}).world_size == 1
+
+
+def test_device_is_cpu_without_cuda():
+    assert platform.device().type == ("cuda" if torch.cuda.is_available() else "cpu")

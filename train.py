@@ -1,0 +1,73 @@
+"""megatron-rl's one entry point: every rank runs it (python, torchrun or srun).
+
+    python train.py --recipe tiny_sft [section.field=value ...] [--print-config]
+    torchrun --nproc_per_node 2 train.py --recipe tiny_sft parallel.tp=2
+    srun python train.py --recipe NAME
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Post-train LLMs on Megatron-Core.",
+                                epilog="Overrides are section.field=value, e.g. optimizer.lr=3e-4 train.max_steps=50.")
+    p.add_argument("--recipe", help="recipe name (see --list-recipes)")
+    p.add_argument("--list-recipes", action="store_true", help="list recipes and exit")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("overrides", nargs="*", help="section.field=value")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from megatron_rl.config import ConfigError, apply_overrides
+    from recipes import get_recipe, list_recipes
+
+    if args.list_recipes:
+        for name, doc in list_recipes().items():
+            print(f"{name:28s} {doc}")
+        return 0
+    if not args.recipe:
+        print("error: give --recipe NAME (see --list-recipes)", file=sys.stderr)
+        return 2
+    from megatron_rl import platform
+
+    launch = platform.read_launch()
+    try:
+        cfg = apply_overrides(get_recipe(args.recipe), args.overrides)
+        cfg.validate(world_size=launch.world_size)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(cfg.to_json())
+        return 0
+
+    run_dir = Path(cfg.logging.run_dir or f"runs/{cfg.recipe}")
+    p = cfg.parallel
+    platform.init_distributed(launch)
+    platform.init_model_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp if p.vpp > 1 else None, cp=p.cp, ep=p.ep,
+                                 seed=cfg.train.seed)
+    if launch.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(cfg.to_json())
+    from megatron_rl.algorithms import get_algorithm
+
+    try:
+        final = get_algorithm(cfg.algorithm.name).run(cfg, run_dir)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        if launch.rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        platform.shutdown()
+        return 2
+    if launch.rank == 0:
+        print(json.dumps({"run_dir": str(run_dir), **final}))
+    platform.shutdown()
+    return 0
+
+
+if __name__ == "__main__":  # dist_checkpointing's writer processes re-import this module
+    sys.exit(main())
