@@ -40,7 +40,8 @@ def main(argv=None) -> int:
         cfg = apply_overrides(get_recipe(args.recipe), args.overrides)
         cfg.validate(world_size=launch.world_size)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if launch.rank == 0:
+            print(f"error: {e}", file=sys.stderr)
         return 2
     if args.print_config:
         print(cfg.to_json())

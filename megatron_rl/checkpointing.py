@@ -29,7 +29,14 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 def _model_state(model: list) -> dict:
     # Dict paths are local names; dist_checkpointing matches shards by their global keys,
     # so chunks from any virtual-pipeline layout land in the right place.
-    return {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(model)}
+    return {f"chunk{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
+
+
+def unwrap(chunk):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
 
 
 def _layout() -> tuple[int, ...]:
@@ -129,7 +136,7 @@ def load(trainee, path: str | Path, weights_only: bool = False) -> dict:
         request.pop("rng", None)  # per-rank RNG states only make sense in the same layout
     loaded = dist_checkpointing.load(request, str(path))
     for i, chunk in enumerate(trainee.model):
-        chunk.load_state_dict(loaded["model"][f"chunk{i}"])
+        unwrap(chunk).load_state_dict(loaded["model"][f"chunk{i}"])
     if weights_only:
         trainee.optimizer.reload_model_params()
         return {}
