@@ -29,8 +29,8 @@ def reference(tmp_path_factory):
     ckpt = root / "init" / "checkpoints" / "step_0000001"
     single = root / "single"
     run_train(["--recipe", "tiny_sft", *FAST, "train.max_steps=4", f"checkpoint.load={ckpt}",
-               "checkpoint.save=false", f"logging.run_dir={single}"])
-    return ckpt, column(single, "train/loss"), column(single, "train/grad_norm")
+               f"logging.run_dir={single}"])
+    return ckpt, column(single, "train/loss"), column(single, "train/grad_norm"), single
 
 
 # Loss tolerance: fp32 with a different reduction order (TP all-reduce, DP split) over 4 Adam steps.
@@ -38,11 +38,20 @@ def reference(tmp_path_factory):
                                     ["parallel.dp=2", "optimizer.distributed=true"]],
                          ids=["tp2", "pp2", "dp2-distopt"])
 def test_parallel_layouts_match_single_process(reference, layout, tmp_path):
-    ckpt, losses, norms = reference
+    ckpt, losses, norms, single = reference
     run_train(["--recipe", "tiny_sft", *FAST, *layout, "train.max_steps=4", f"checkpoint.load={ckpt}",
-               "checkpoint.save=false", f"logging.run_dir={tmp_path}"], nproc=2)
+               f"logging.run_dir={tmp_path}"], nproc=2)
     assert column(tmp_path, "train/loss") == pytest.approx(losses, rel=1e-5, abs=1e-6)
     assert column(tmp_path, "train/grad_norm") == pytest.approx(norms, rel=1e-4)
+    if layout == ["parallel.tp=2"]:
+        # And back: the TP2 run's final checkpoint loads in one process, giving the same val/loss
+        # as the single-process run's own final checkpoint (evaluated after 1 more step each).
+        def one_step_from(run):
+            out = run.parent / f"{run.name}_back"
+            run_train(["--recipe", "tiny_sft", *FAST, "train.max_steps=1", "checkpoint.save=false",
+                       f"checkpoint.load={run / 'checkpoints' / 'step_0000004'}", f"logging.run_dir={out}"])
+            return column(out, "train/loss") + column(out, "val/loss")
+        assert one_step_from(tmp_path) == pytest.approx(one_step_from(single), rel=1e-5)
 
 
 def test_tiny_sft_learns(tmp_path):
