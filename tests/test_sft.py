@@ -2,6 +2,7 @@
 
 import pytest
 
+from megatron_rl.checkpointing import checkpoint_dir
 from tests.helpers import column, metrics, run_train
 
 # Small and fast: a few thousand samples, short schedule fixed independently of max_steps.
@@ -26,7 +27,7 @@ def reference(tmp_path_factory):
     """Initial weights saved at TP=1 (after one step), and the single-process losses from them."""
     root = tmp_path_factory.mktemp("equiv")
     run_train(["--recipe", "tiny_sft", *FAST, "train.max_steps=1", f"logging.run_dir={root / 'init'}"])
-    ckpt = root / "init" / "checkpoints" / "step_0000001"
+    ckpt = checkpoint_dir(root / "init", 1)
     single = root / "single"
     run_train(["--recipe", "tiny_sft", *FAST, "train.max_steps=4", f"checkpoint.load={ckpt}",
                f"logging.run_dir={single}"])
@@ -50,7 +51,7 @@ def test_parallel_layouts_match_single_process(reference, layout, tmp_path):
         def one_step_from(run):
             out = run.parent / f"{run.name}_back"
             run_train(["--recipe", "tiny_sft", *FAST, "train.max_steps=1", "checkpoint.save=false",
-                       f"checkpoint.load={run / 'checkpoints' / 'step_0000004'}", f"logging.run_dir={out}"])
+                       f"checkpoint.load={checkpoint_dir(run, 4)}", f"logging.run_dir={out}"])
             return column(out, "train/loss") + column(out, "val/loss")
         assert one_step_from(tmp_path) == pytest.approx(one_step_from(single), rel=1e-5)
 
@@ -73,7 +74,7 @@ def test_virtual_pipeline_matches_single_process(tmp_path):
     """PP=2 with 2 model chunks per stage (interleaved 1F1B) on a 4-layer model."""
     four = [*FAST, "model.num_layers=4"]
     run_train(["--recipe", "tiny_sft", *four, "train.max_steps=1", f"logging.run_dir={tmp_path / 'init'}"])
-    start = [f"checkpoint.load={tmp_path / 'init' / 'checkpoints' / 'step_0000001'}", "checkpoint.save=false",
+    start = [f"checkpoint.load={checkpoint_dir(tmp_path / 'init', 1)}", "checkpoint.save=false",
              "train.max_steps=3"]
     run_train(["--recipe", "tiny_sft", *four, *start, f"logging.run_dir={tmp_path / 'single'}"])
     run_train(["--recipe", "tiny_sft", *four, *start, "parallel.pp=2", "parallel.vpp=2",
