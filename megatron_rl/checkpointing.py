@@ -14,6 +14,10 @@ import torch
 import torch.distributed as dist
 
 MARKER = "complete"
+# The distributed optimizer's state in model-parameter shapes, like the plain optimizer's: it
+# loads at any TP/PP/DP layout. (0.16.1's default, 'fully_sharded_model_space', is refused by its
+# own ShardedTensor validation: "flattened_range is not supported".)
+OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
@@ -44,6 +48,12 @@ def _layout() -> tuple[int, ...]:
 
     return (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(),
             ps.get_data_parallel_world_size())
+
+
+def _is_distributed(optimizer) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def _rng_state():
@@ -92,9 +102,10 @@ def save(trainee, run_dir: str | Path, step: int, extra: dict, keep: int = 0) ->
     model_state = _model_state(trainee.model)
     state = {
         "model": model_state,
-        "optimizer": trainee.optimizer.sharded_state_dict(model_state),
+        "optimizer": trainee.optimizer.sharded_state_dict(model_state, metadata=OPTIMIZER_FORMAT),
         "rng": _rng_state(),
         "layout": list(_layout()),
+        "distributed_optimizer": _is_distributed(trainee.optimizer),
         "scheduler": trainee.scheduler.state_dict(),
         "step": step,
         "extra": extra,
@@ -128,9 +139,16 @@ def load(trainee, path: str | Path, weights_only: bool = False) -> dict:
     model_state = _model_state(trainee.model)
     request = {"model": model_state}
     if not weights_only:
-        request["optimizer"] = trainee.optimizer.sharded_state_dict(model_state, is_loading=True)
+        request["optimizer"] = trainee.optimizer.sharded_state_dict(model_state, is_loading=True,
+                                                                    metadata=OPTIMIZER_FORMAT)
         request["rng"] = _rng_state()
     common = dist_checkpointing.load_common_state_dict(str(path))
+    saved_distributed = common.get("distributed_optimizer", False)
+    if not weights_only and saved_distributed != _is_distributed(trainee.optimizer):
+        raise ValueError(
+            f"checkpoint {str(path)!r} holds {'distributed' if saved_distributed else 'plain'} optimizer "
+            f"state; resume with optimizer.distributed={str(saved_distributed).lower()}, or start from its "
+            f"weights with a fresh optimizer via checkpoint.load.")
     same_layout = list(common.get("layout", [])) == list(_layout())
     if not same_layout:
         request.pop("rng", None)  # per-rank RNG states only make sense in the same layout

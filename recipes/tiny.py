@@ -16,7 +16,7 @@ def tiny_sft() -> Config:
     """SFT of a 0.4M-parameter Llama-style model from scratch on 2-digit addition."""
     return Config(
         model=tiny_model(),
-        data=DataConfig(task="arithmetic", digits=2, seq_length=16, micro_batch_size=64,
+        data=DataConfig(task="arithmetic", digits=2, seq_length=16, micro_batch_size=32,
                         global_batch_size=64, num_train=50000, num_val=512),
         optimizer=OptimizerConfig(lr=3e-3, min_lr=3e-4, weight_decay=0.0, clip_grad=1.0),
         scheduler=SchedulerConfig(warmup_steps=50, decay="cosine"),

@@ -92,3 +92,82 @@ def test_single_process_default():
 
 def test_device_is_cpu_without_cuda():
     assert platform.device().type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# An optimizer steps, saves, and loads into a fresh one, which steps again. Each patch of a
+# megatron optimizer method is undone in turn (through its __wrapped__) and the run must then fail.
+OPTIMIZER_RESUME = """
+import sys, torch
+from megatron_rl import platform
+from megatron_rl.config import Config
+from megatron_rl import checkpointing
+from megatron_rl.training.setup import build_trainee
+from megatron_rl.training.step import optimizer_step, zero_grads
+import megatron.core.optimizer as megatron_optimizer
+
+def step(trainee):
+    zero_grads(trainee)
+    for p in trainee.model[0].parameters():
+        p.main_grad.fill_(0.01)
+    optimizer_step(trainee)
+
+if __name__ == "__main__":
+    run_dir, precision, distributed, *undo = sys.argv[1:]
+    for spec in undo:  # "Class.method"
+        cls_name, attr = spec.split(".")
+        cls = getattr(megatron_optimizer, cls_name)
+        setattr(cls, attr, getattr(cls, attr).__wrapped__)
+    platform.init_distributed()
+    platform.init_model_parallel()
+    cfg = Config()
+    cfg.model.vocab_size = 16
+    cfg.train.precision = precision
+    cfg.optimizer.distributed = distributed == "distributed"
+    first = build_trainee(cfg)
+    step(first)
+    path = checkpointing.save(first, run_dir, 1, {})
+    second = build_trainee(cfg)
+    checkpointing.load(second, path)
+    step(second)
+    steps = {float(s["step"]) for s in second.optimizer.chained_optimizers[0].optimizer.state.values()}
+    assert steps == {2.0}, f"Adam step counts after resume + 1 step: {steps}"
+"""
+
+# name -> (precision, optimizer, the patched method)
+OPTIMIZER_PATCHES = {
+    "fix: distributed optimizer state exists before loading":
+        ("fp32", "distributed", "DistributedOptimizer.sharded_state_dict"),
+    "fix: fully_reshardable load keeps torch Adam's step":
+        ("fp32", "distributed", "DistributedOptimizer._set_main_param_and_optimizer_states"),
+    "fix: each parameter owns its Adam step after loading":
+        ("fp32", "distributed", "DistributedOptimizer.load_state_dict"),
+    "cpu: bf16 optimizer sorts parameters by type() name":
+        ("bf16", "plain", "Float16OptimizerWithFloat16Params.__init__"),
+    "cpu: distributed optimizer sorts parameters by type() name":
+        ("bf16", "distributed", "DistributedOptimizer.__init__"),
+}
+
+
+def _resume_optimizer(tmp_path, precision, optimizer, *undo) -> subprocess.CompletedProcess:
+    from tests.helpers import free_port
+
+    script = tmp_path / "optimizer_resume.py"
+    script.write_text(OPTIMIZER_RESUME)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "MASTER_PORT": str(free_port())}
+    return subprocess.run([sys.executable, str(script), str(tmp_path / "run"), precision, optimizer, *undo],
+                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+
+
+@pytest.mark.parametrize("precision, optimizer", [("fp32", "distributed"), ("bf16", "plain"),
+                                                  ("bf16", "distributed")])
+def test_optimizer_resumes_with_patches(precision, optimizer, tmp_path):
+    proc = _resume_optimizer(tmp_path, precision, optimizer)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZER_PATCHES))
+def test_optimizer_patch_is_needed(name, tmp_path):
+    if name.startswith("cpu:") and torch.cuda.is_available():
+        pytest.skip("the CPU patches apply only without CUDA")
+    without = _resume_optimizer(tmp_path, *OPTIMIZER_PATCHES[name])
+    assert without.returncode != 0, f"{name}: ran without the patch; is it still needed?"

@@ -18,10 +18,13 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+# Before any megatron.core import anywhere, so every megatron module is patched as it loads.
+from . import fixes as _fixes
+
+_fixes.apply()
 if not has_cuda():
     from . import cpu as _cpu
 
-    # Before any megatron.core import anywhere, so every megatron module gets the stand-ins.
     _cpu.apply()
 
 

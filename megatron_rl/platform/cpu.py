@@ -10,12 +10,11 @@ Nothing here is applied when CUDA is available.
 """
 
 import contextlib
-import importlib.abc
-import importlib.machinery
-import sys
 import types
 
 import torch
+
+from . import hooks
 
 CPU = torch.device("cpu")
 
@@ -157,26 +156,6 @@ def _patch_module(module):
         module.torch = CPU_TORCH
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Patches megatron.core modules imported after apply() as they finish loading."""
-
-    def find_spec(self, name, path, target=None):
-        if not name.startswith("megatron.core"):
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_and_patch(module):
-            exec_module(module)
-            _patch_module(module)
-            _patch_specials(module)
-
-        spec.loader.exec_module = exec_and_patch
-        return spec
-
-
 def _cpu_rng_get(device="cuda", clone=False, graph_safe=False):
     return torch.get_rng_state()
 
@@ -211,29 +190,48 @@ def _cuda_type_names(fn):
     return wrapper
 
 
-def _patch_specials(module):
-    """The few places where a stand-in torch is not enough."""
-    name = module.__name__
-    if name == "megatron.core.optimizer.clip_grads":
-        module.clip_grad_by_total_norm_fp32 = _cuda_type_names(module.clip_grad_by_total_norm_fp32)
-    elif name == "megatron.core.optimizer.optimizer":  # imported the function by name
-        from megatron.core.optimizer import clip_grads
+def _patch_clip_grads(module):
+    module.clip_grad_by_total_norm_fp32 = _cuda_type_names(module.clip_grad_by_total_norm_fp32)
 
-        module.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32
-    elif name == "megatron.core.optimizer.distrib_optimizer":
-        cls = module.DistributedOptimizer
-        cls._build_model_and_main_param_groups = staticmethod(
-            _cuda_type_names(cls._build_model_and_main_param_groups))
-    elif name == "megatron.core.tensor_parallel.random":
-        # The model-parallel RNG tracker reads/writes torch.cuda.default_generators directly;
-        # on CPU the one generator is the CPU default generator.
-        module._get_cuda_rng_state = _cpu_rng_get
-        module._set_cuda_rng_state = _cpu_rng_set
-    elif name == "megatron.core.inference.communication_utils":
-        # Pipeline-parallel inference asserts its send/recv tensors are CUDA tensors.
-        module._is_cuda = lambda tensor: True
-    elif name == "megatron.core.inference.engines.dynamic_engine":
-        module.range_push = module.range_pop = _noop
+
+def _patch_optimizer(module):
+    from megatron.core.optimizer import clip_grads
+
+    module.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32  # imported by name
+    cls = module.Float16OptimizerWithFloat16Params  # bf16: sorts parameters by their type() name
+    cls.__init__ = _cuda_type_names(cls.__init__)
+
+
+def _patch_distrib_optimizer(module):
+    cls = module.DistributedOptimizer  # sorts parameters by their type() name
+    cls.__init__ = _cuda_type_names(cls.__init__)
+
+
+def _patch_random(module):
+    # The model-parallel RNG tracker reads/writes torch.cuda.default_generators directly;
+    # on CPU the one generator is the CPU default generator.
+    module._get_cuda_rng_state = _cpu_rng_get
+    module._set_cuda_rng_state = _cpu_rng_set
+
+
+def _patch_inference_communication(module):
+    # Pipeline-parallel inference asserts its send/recv tensors are CUDA tensors.
+    module._is_cuda = lambda tensor: True
+
+
+def _patch_dynamic_engine(module):
+    module.range_push = module.range_pop = _noop
+
+
+# The few places where a stand-in torch is not enough.
+_SPECIALS = {
+    "megatron.core.optimizer.clip_grads": _patch_clip_grads,
+    "megatron.core.optimizer.optimizer": _patch_optimizer,
+    "megatron.core.optimizer.distrib_optimizer": _patch_distrib_optimizer,
+    "megatron.core.tensor_parallel.random": _patch_random,
+    "megatron.core.inference.communication_utils": _patch_inference_communication,
+    "megatron.core.inference.engines.dynamic_engine": _patch_dynamic_engine,
+}
 
 
 _applied = False
@@ -248,9 +246,7 @@ def apply():
     # `.cuda()` on a tensor: megatron moves buffers with it; on CPU that is the identity.
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     torch.nn.Module.cuda = lambda self, *args, **kwargs: self
-    for name, module in list(sys.modules.items()):
-        if name.startswith("megatron.core") and module is not None:
-            _patch_module(module)
-            _patch_specials(module)
-    sys.meta_path.insert(0, _PatchOnImport())
+    hooks.on_every_import(_patch_module)
+    for name, fn in _SPECIALS.items():
+        hooks.on_import(name, fn)
     _applied = True

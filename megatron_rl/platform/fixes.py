@@ -1,0 +1,77 @@
+"""Fixes for megatron-core 0.16.1 bugs that do not depend on the device.
+
+Without apex or Transformer Engine, megatron's DistributedOptimizer wraps torch's own Adam, a
+path whose checkpoint loading megatron does not exercise. Each fix is guarded by that
+condition, so nothing changes where apex or TE provide the optimizer; tests/test_platform.py
+shows each one is needed.
+"""
+
+import functools
+
+import torch
+
+from . import hooks
+
+
+def _needs_torch_adam_fixes(module) -> bool:
+    return not module.HAVE_APEX_OR_TE
+
+
+def _state_before_load(sharded_state_dict):
+    """Loading asks the optimizer for its state dict first, and state_dict() reads torch Adam's
+    per-parameter 'step', which exists only after a first step (`assert len(steps) == 1`). Fill
+    the state with megatron's own dummy values; the loaded ones replace them in place."""
+
+    @functools.wraps(sharded_state_dict)
+    def wrapper(self, model_sharded_state_dict=None, is_loading=False, *args, **kwargs):
+        if is_loading and not self.optimizer.state and not self.ddp_config.use_megatron_fsdp:
+            self._init_optimizer_states_with_dummy_values()
+        return sharded_state_dict(self, model_sharded_state_dict or {}, is_loading, *args, **kwargs)
+
+    return wrapper
+
+
+def _keep_step(set_states):
+    """The 'fully_reshardable' loader restores torch Adam's 'step' from the param groups and
+    leaves it out of the tensors it hands over, but the setter copies every key of the
+    optimizer state (KeyError: 'step'). Let the step keep its restored value."""
+
+    @functools.wraps(set_states)
+    def wrapper(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            step = self.optimizer.state[main_param].get("step")
+            if step is not None:
+                tensors = {**tensors, "step": step}
+        return set_states(self, model_param, tensors)
+
+    return wrapper
+
+
+def _own_step_per_param(load_state_dict):
+    """Loading gives every parameter the same 'step' tensor object, and torch Adam increments
+    each parameter's step in place, so after one resumed step the shared count has grown by the
+    number of parameters and the bias correction is wrong. Give each parameter its own copy."""
+
+    @functools.wraps(load_state_dict)
+    def wrapper(self, state_dict):
+        load_state_dict(self, state_dict)
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+    return wrapper
+
+
+def _fix_distrib_optimizer(module):
+    if not _needs_torch_adam_fixes(module):
+        return
+    cls = module.DistributedOptimizer
+    cls.sharded_state_dict = _state_before_load(cls.sharded_state_dict)
+    cls._set_main_param_and_optimizer_states = _keep_step(cls._set_main_param_and_optimizer_states)
+    cls.load_state_dict = _own_step_per_param(cls.load_state_dict)
+
+
+def apply():
+    hooks.on_import("megatron.core.optimizer.distrib_optimizer", _fix_distrib_optimizer)

@@ -1,0 +1,61 @@
+"""Run a function on megatron.core modules as they are imported (or at once, if already imported).
+
+The platform's patches go through here, so they hold whatever imports megatron first.
+"""
+
+import importlib.abc
+import importlib.machinery
+import sys
+from typing import Callable
+
+_BY_NAME: dict[str, list[Callable]] = {}
+_EVERY: list[Callable] = []  # run on every megatron.core module
+_installed = False
+
+
+def _run(module):
+    for fn in _EVERY:
+        fn(module)
+    for fn in _BY_NAME.get(module.__name__, []):
+        fn(module)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if not name.startswith("megatron.core"):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            _run(module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+def _install():
+    global _installed
+    if not _installed:
+        sys.meta_path.insert(0, _PatchOnImport())
+        _installed = True
+
+
+def on_import(name: str, fn: Callable):
+    """Call fn(module) once megatron module `name` is loaded."""
+    _install()
+    _BY_NAME.setdefault(name, []).append(fn)
+    if sys.modules.get(name) is not None:
+        fn(sys.modules[name])
+
+
+def on_every_import(fn: Callable):
+    """Call fn(module) for every megatron.core module, loaded now or later."""
+    _install()
+    _EVERY.append(fn)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.core") and module is not None:
+            fn(module)
