@@ -214,23 +214,12 @@ def _patch_random(module):
     module._set_cuda_rng_state = _cpu_rng_set
 
 
-def _patch_inference_communication(module):
-    # Pipeline-parallel inference asserts its send/recv tensors are CUDA tensors.
-    module._is_cuda = lambda tensor: True
-
-
-def _patch_dynamic_engine(module):
-    module.range_push = module.range_pop = _noop
-
-
 # The few places where a stand-in torch is not enough.
 _SPECIALS = {
     "megatron.core.optimizer.clip_grads": _patch_clip_grads,
     "megatron.core.optimizer.optimizer": _patch_optimizer,
     "megatron.core.optimizer.distrib_optimizer": _patch_distrib_optimizer,
     "megatron.core.tensor_parallel.random": _patch_random,
-    "megatron.core.inference.communication_utils": _patch_inference_communication,
-    "megatron.core.inference.engines.dynamic_engine": _patch_dynamic_engine,
 }
 
 
