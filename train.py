@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     p = cfg.parallel
     platform.init_distributed(launch)
     platform.init_model_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp if p.vpp > 1 else None, cp=p.cp, ep=p.ep,
-                                 seed=cfg.train.seed)
+                                 etp=p.etp or None, seed=cfg.train.seed)
     if launch.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(cfg.to_json())

@@ -7,6 +7,7 @@ saved at one TP/PP/DP layout loads at another (resharding). RNG states are per r
 restored when the layout is unchanged.
 """
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 MARKER = "complete"
+ASSETS = "hf"  # HF files kept with a checkpoint: tokenizer, HF config (see megatron_rl/hf)
 # The distributed optimizer's state in model-parameter shapes, like the plain optimizer's: it
 # loads at any TP/PP/DP layout. (0.16.1's default, 'fully_sharded_model_space', is refused by its
 # own ShardedTensor validation: "flattened_range is not supported".)
@@ -89,18 +91,35 @@ def _set_rng_state(state: dict):
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def save(trainee, run_dir: str | Path, step: int, extra: dict, keep: int = 0) -> Path:
-    """Save everything needed to resume at `step`; `extra` holds plain picklable state (data position)."""
+def _write(path: Path, state: dict, assets: str | Path | None):
+    """dist_checkpointing.save of `state` into a fresh `path`, the HF assets (tokenizer, HF
+    config) into path/hf, and the completion marker once every rank is done."""
     from megatron.core import dist_checkpointing
 
-    path = checkpoint_dir(run_dir, step)
+    from megatron_rl.hf.files import copy_assets
+
     if dist.get_rank() == 0:
         if path.exists():
             shutil.rmtree(path)
         path.mkdir(parents=True)
     dist.barrier()
+    dist_checkpointing.save(state, str(path))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if assets:
+            copy_assets(assets, path / ASSETS)
+        (path / MARKER).write_text(str(state.get("step", 0)))
+    dist.barrier()
+
+
+def save(trainee, run_dir: str | Path, step: int, extra: dict, keep: int = 0, model=None,
+         assets: str | Path | None = None) -> Path:
+    """Save everything needed to resume at `step`; `extra` holds plain picklable state (data
+    position), `model` the ModelConfig (so tools can rebuild the model), `assets` a directory of
+    HF files (tokenizer, config) that an HF export of this checkpoint needs."""
+    path = checkpoint_dir(run_dir, step)
     model_state = _model_state(trainee.model)
-    state = {
+    _write(path, {
         "model": model_state,
         "optimizer": trainee.optimizer.sharded_state_dict(model_state, metadata=OPTIMIZER_FORMAT),
         "rng": _rng_state(),
@@ -109,14 +128,32 @@ def save(trainee, run_dir: str | Path, step: int, extra: dict, keep: int = 0) ->
         "scheduler": trainee.scheduler.state_dict(),
         "step": step,
         "extra": extra,
-    }
-    dist_checkpointing.save(state, str(path))
-    dist.barrier()
+        "model_config": dataclasses.asdict(model) if model is not None else None,
+    }, assets)
     if dist.get_rank() == 0:
-        (path / MARKER).write_text(str(step))
         _prune(Path(run_dir), keep)
-    dist.barrier()
     return path
+
+
+def save_weights(model_chunks: list, path: str | Path, model, assets: str | Path | None = None) -> Path:
+    """A weights-only checkpoint (what HF import writes); loads with checkpoint.load."""
+    path = Path(path)
+    _write(path, {"model": _model_state(model_chunks), "layout": list(_layout()), "step": 0,
+                  "model_config": dataclasses.asdict(model)}, assets)
+    return path
+
+
+def read_model_config(path: str | Path):
+    """The ModelConfig a checkpoint was saved with."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.config import ModelConfig
+
+    _require_complete(Path(path))
+    saved = dist_checkpointing.load_common_state_dict(str(path)).get("model_config")
+    if saved is None:
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not record its model config (saved by an older version).")
+    return ModelConfig(**saved)
 
 
 def _prune(run_dir: Path, keep: int):
@@ -127,37 +164,70 @@ def _prune(run_dir: Path, keep: int):
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _require_complete(path: Path):
+    if not (path / MARKER).exists():
+        raise FileNotFoundError(
+            f"{str(path)!r} is not a complete megatron-rl checkpoint (no '{MARKER}' marker); "
+            f"point checkpoint.load at a checkpoints/step_N directory.")
+
+
+# ModelConfig fields that are training choices, not architecture: they may differ from a checkpoint's.
+_NOT_ARCHITECTURE = {"hf_path", "init_method_std", "moe_aux_loss_type", "moe_aux_loss_coeff",
+                     "moe_expert_bias_update_rate", "moe_router_dtype", "moe_capacity_factor", "moe_dispatcher"}
+
+
+def check_model_matches(path: str | Path, model):
+    """Refuse, naming the fields, a checkpoint whose architecture differs from `model`."""
+    from megatron.core import dist_checkpointing
+
+    saved = dist_checkpointing.load_common_state_dict(str(path)).get("model_config")
+    if saved is None:
+        return
+    ours = dataclasses.asdict(model)
+    diff = [f"{k}={saved[k]!r} (yours: {ours[k]!r})" for k in saved
+            if k in ours and k not in _NOT_ARCHITECTURE and saved[k] != ours[k]]
+    if diff:
+        raise ValueError(f"checkpoint {str(path)!r} holds a different model: model.{', model.'.join(diff[:4])}; "
+                         f"set those model.* fields to match.")
+
+
+def load_weights(model_chunks: list, path: str | Path):
+    """Load only the model weights of a checkpoint (any TP/PP/EP layout) into model_chunks."""
+    from megatron.core import dist_checkpointing
+
+    _require_complete(Path(path))
+    loaded = dist_checkpointing.load({"model": _model_state(model_chunks)}, str(path))
+    for i, chunk in enumerate(model_chunks):
+        unwrap(chunk).load_state_dict(loaded["model"][f"chunk{i}"])
+
+
 def load(trainee, path: str | Path, weights_only: bool = False) -> dict:
     """Load a checkpoint into trainee; returns {'step', 'extra'} (empty for weights only)."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
-    if not (path / MARKER).exists():
-        raise FileNotFoundError(
-            f"{str(path)!r} is not a complete megatron-rl checkpoint (no '{MARKER}' marker); "
-            f"point checkpoint.load at a checkpoints/step_N directory.")
+    if weights_only:
+        load_weights(trainee.model, path)
+        trainee.optimizer.reload_model_params()
+        return {}
+    _require_complete(path)
     model_state = _model_state(trainee.model)
-    request = {"model": model_state}
-    if not weights_only:
-        request["optimizer"] = trainee.optimizer.sharded_state_dict(model_state, is_loading=True,
-                                                                    metadata=OPTIMIZER_FORMAT)
-        request["rng"] = _rng_state()
+    request = {"model": model_state,
+               "optimizer": trainee.optimizer.sharded_state_dict(model_state, is_loading=True,
+                                                                 metadata=OPTIMIZER_FORMAT),
+               "rng": _rng_state()}
     common = dist_checkpointing.load_common_state_dict(str(path))
     saved_distributed = common.get("distributed_optimizer", False)
-    if not weights_only and saved_distributed != _is_distributed(trainee.optimizer):
+    if saved_distributed != _is_distributed(trainee.optimizer):
         raise ValueError(
             f"checkpoint {str(path)!r} holds {'distributed' if saved_distributed else 'plain'} optimizer "
             f"state; resume with optimizer.distributed={str(saved_distributed).lower()}, or start from its "
             f"weights with a fresh optimizer via checkpoint.load.")
-    same_layout = list(common.get("layout", [])) == list(_layout())
-    if not same_layout:
-        request.pop("rng", None)  # per-rank RNG states only make sense in the same layout
+    if list(common.get("layout", [])) != list(_layout()):
+        request.pop("rng")  # per-rank RNG states only make sense in the same layout
     loaded = dist_checkpointing.load(request, str(path))
     for i, chunk in enumerate(trainee.model):
         unwrap(chunk).load_state_dict(loaded["model"][f"chunk{i}"])
-    if weights_only:
-        trainee.optimizer.reload_model_params()
-        return {}
     trainee.optimizer.load_state_dict(loaded["optimizer"])
     trainee.scheduler.load_state_dict(common["scheduler"])
     if "rng" in loaded:

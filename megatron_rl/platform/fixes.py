@@ -1,9 +1,6 @@
-"""Fixes for megatron-core 0.16.1 bugs that do not depend on the device.
-
-Without apex or Transformer Engine, megatron's DistributedOptimizer wraps torch's own Adam, a
-path whose checkpoint loading megatron does not exercise. Each fix is guarded by that
-condition, so nothing changes where apex or TE provide the optimizer; tests/test_platform.py
-shows each one is needed.
+"""Fixes for megatron-core 0.16.1 bugs that do not depend on the device, only on Transformer
+Engine (or apex) being absent: paths megatron does not exercise. Each fix is guarded by that
+condition, so nothing changes where TE is installed; tests/test_platform.py shows each is needed.
 """
 
 import functools
@@ -73,5 +70,24 @@ def _fix_distrib_optimizer(module):
     cls.load_state_dict = _own_step_per_param(cls.load_state_dict)
 
 
+def _fix_mla_te_check(module):
+    """Without TE, megatron's TE extension module stands in a MagicMock for TE, so its `TELinear`
+    is no class, yet multi_latent_attention's own import of it succeeds and sets HAVE_TE = True:
+    building MLA then fails in `isinstance(self.linear_proj, TELinear)`."""
+    from megatron.core.extensions import transformer_engine
+
+    if not transformer_engine.HAVE_TE:
+        module.HAVE_TE = False
+
+
+def _fix_router_gemm(module):
+    """moe_utils uses `te_general_gemm is not None` in the router's linear, but never defines the
+    name when TE is missing (NameError on every MoE forward)."""
+    if not module.HAVE_TE and not hasattr(module, "te_general_gemm"):
+        module.te_general_gemm = None
+
+
 def apply():
     hooks.on_import("megatron.core.optimizer.distrib_optimizer", _fix_distrib_optimizer)
+    hooks.on_import("megatron.core.transformer.multi_latent_attention", _fix_mla_te_check)
+    hooks.on_import("megatron.core.transformer.moe.moe_utils", _fix_router_gemm)

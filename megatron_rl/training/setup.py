@@ -39,10 +39,12 @@ def build_model(cfg: Config, wrap_ddp: bool = True):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
-    from model_providers import get_provider
+    from model_providers import get_family
+    from model_providers.builder import Provider
 
     dtype = compute_dtype(cfg)
-    provider = get_provider(cfg.model.family)(cfg.model, cfg.parallel, dtype)
+    get_family(cfg.model.family)  # an unknown family is a clear error before anything is built
+    provider = Provider(cfg.model, cfg.parallel, dtype)
     tconfig = provider.transformer_config()
     vpp = cfg.parallel.vpp
     chunks = []

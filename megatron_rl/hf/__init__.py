@@ -1,0 +1,145 @@
+"""Hugging Face checkpoints in and out of megatron models, streamed one tensor at a time per rank.
+
+    model_config_from_hf(dir)                   config.json -> ModelConfig (family chosen by architecture)
+    import_hf(chunks, model, dir)               HF weights -> this rank's megatron parameters
+    export_hf(chunks, model, out, assets)       this rank's parameters -> HF safetensors shards + index
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.config import ConfigError, ModelConfig
+
+from .files import HFCheckpoint, ShardWriter, copy_assets, finish_index
+from .weights import export_hf_weights, load_hf_weights
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_FILE = "weight_dtypes.json"  # in the assets: each HF tensor's dtype, so an export restores it
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def model_config_from_hf(path: str | Path) -> ModelConfig:
+    from model_providers import family_for_hf, get_family
+
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        raise ConfigError(f"{str(path)!r} is not a Hugging Face model directory (no config.json).")
+    hf = json.loads(config.read_text())
+    model = get_family(family_for_hf(hf)).from_hf(hf)
+    model.hf_path = str(path)
+    return model
+
+
+def import_hf(model_chunks: list, model: ModelConfig, path: str | Path, allow_pickle: bool = False):
+    """Load an HF checkpoint into this rank's model chunks (any TP/PP/EP layout)."""
+    from model_providers import get_family
+
+    family = get_family(model.family)
+    load_hf_weights(model_chunks, model, family.weight_rules(model), HFCheckpoint(path, allow_pickle),
+                    getattr(family, "skipped", None))
+
+
+def write_assets(hf_path: str | Path, out: str | Path, tokenizer=None, allow_pickle: bool = False):
+    """The HF files an export needs later: the source's config, generation config and tokenizer
+    files, each tensor's dtype, and (if given) the tokenizer actually used."""
+    out = Path(out)
+    if hf_path:
+        copy_assets(hf_path, out)
+        ckpt = HFCheckpoint(hf_path, allow_pickle)
+        dtypes = {name: str(ckpt.get(name).dtype).removeprefix("torch.") for name in sorted(ckpt.names())}
+        (out / DTYPE_FILE).write_text(json.dumps(dtypes, indent=0))
+    if tokenizer is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        tokenizer.save_pretrained(str(out))
+
+
+def export_hf(model_chunks: list, model: ModelConfig, out: str | Path, assets: str | Path | None = None,
+              dtype: torch.dtype | None = None, max_shard_bytes: int = 5 << 30, overwrite: bool = False) -> Path:
+    """Write an HF model directory from the model chunks of every rank (all ranks call this).
+
+    Tensors keep the dtypes the model was imported with (assets/weight_dtypes.json), else `dtype`
+    (default: the HF config's, else the parameters'). Written into a temporary directory that
+    replaces `out` only when complete, so a failure leaves nothing half-written.
+    """
+    from model_providers import get_family
+
+    out = Path(out)
+    assets = Path(assets) if assets else None
+    if out.exists() and not overwrite:
+        raise ConfigError(f"{str(out)!r} already exists; choose another directory or pass --overwrite.")
+    family = get_family(model.family)
+    if assets and (assets / "config.json").is_file():
+        hf_config = json.loads((assets / "config.json").read_text())
+    else:
+        hf_config = family.to_hf(model)
+        if assets and (assets / "tokenizer_config.json").is_file():
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(assets))
+            hf_config.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id)
+    dtype = dtype or _config_dtype(hf_config) or next(model_chunks[0].parameters()).dtype
+    saved = json.loads((assets / DTYPE_FILE).read_text()) if assets and (assets / DTYPE_FILE).is_file() else {}
+
+    tmp = Path(_broadcast(f"{out.parent / ('.' + out.name)}.tmp-{os.getpid()}"))
+    if dist.get_rank() == 0:
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    try:
+        writer = _DtypeWriter(ShardWriter(tmp, dist.get_rank(), max_shard_bytes), saved)
+        export_hf_weights(model_chunks, model, family.weight_rules(model), writer, dtype)
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, writer.close())
+        if dist.get_rank() == 0:
+            finish_index(tmp, [f for rank_files in parts for f in rank_files])
+            if assets:
+                copy_assets(assets, tmp)
+                (tmp / DTYPE_FILE).unlink(missing_ok=True)
+            hf_config["dtype"] = _DTYPE_NAMES.get(dtype, str(dtype))
+            hf_config.pop("torch_dtype", None)
+            (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+            if not (tmp / "generation_config.json").exists():
+                _write_generation_config(tmp, hf_config)
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(tmp, out)
+    except BaseException:
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    dist.barrier()
+    return out
+
+
+class _DtypeWriter:
+    """Casts each tensor to the dtype it had in the imported checkpoint, else the export dtype."""
+
+    def __init__(self, writer: ShardWriter, saved: dict):
+        self.writer, self.saved = writer, saved
+
+    def add(self, name: str, tensor: torch.Tensor, dtype: torch.dtype):
+        self.writer.add(name, tensor.to(getattr(torch, self.saved[name]) if name in self.saved else dtype))
+
+    def close(self):
+        return self.writer.close()
+
+
+def _config_dtype(hf_config: dict) -> torch.dtype | None:
+    name = hf_config.get("dtype") or hf_config.get("torch_dtype")
+    return getattr(torch, name) if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype) else None
+
+
+def _write_generation_config(out: Path, hf_config: dict):
+    gen = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf_config.get(k) is not None}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def _broadcast(value):
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]

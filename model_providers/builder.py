@@ -1,0 +1,213 @@
+"""ModelConfig -> megatron-core parts: a TransformerConfig, the layer specs and a GPTModel per stage.
+
+One builder serves every family: what differs between families (HF config keys, weight names)
+lives in their modules; the architecture itself is described by ModelConfig's fields.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megatron_rl.config import ModelConfig, ParallelConfig
+
+VOCAB_MULTIPLE = 128
+"""Vocabularies are padded to a multiple of this, the same at every TP size, so that checkpoints
+reshard between layouts (TP must divide it)."""
+
+
+def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    return -(-vocab_size // multiple) * multiple
+
+
+def te_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _activation(name: str):
+    from megatron.core.activations import squared_relu
+
+    return {"swiglu": F.silu, "silu": F.silu, "gelu": F.gelu, "squared_relu": squared_relu}[name]
+
+
+def _moe_kwargs(m: ModelConfig, p: ParallelConfig) -> dict:
+    if not m.num_experts:
+        return {}
+    return dict(
+        num_moe_experts=m.num_experts,
+        moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=m.moe_shared_ffn_hidden_size or None,
+        moe_layer_freq=[int(m.is_moe_layer(i)) for i in range(m.num_layers)],
+        moe_router_topk=m.moe_topk,
+        moe_router_score_function=m.moe_score_function,
+        moe_router_pre_softmax=m.moe_pre_softmax,
+        moe_router_enable_expert_bias=m.moe_expert_bias,
+        moe_router_bias_update_rate=m.moe_expert_bias_update_rate,
+        moe_router_num_groups=m.moe_num_groups or None,
+        moe_router_group_topk=m.moe_group_topk or None,
+        moe_router_topk_scaling_factor=m.moe_topk_scaling_factor if m.moe_topk_scaling_factor != 1.0 else None,
+        moe_router_load_balancing_type=m.moe_aux_loss_type,
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+        moe_router_dtype=None if m.moe_router_dtype == "model" else m.moe_router_dtype,
+        moe_expert_capacity_factor=m.moe_capacity_factor or None,
+        moe_token_dispatcher_type=m.moe_dispatcher,
+        moe_grouped_gemm=te_available(),  # TEGroupedMLP with TE; SequentialMLP otherwise
+        expert_tensor_parallel_size=p.etp or p.tp,
+    )
+
+
+def _mla_kwargs(m: ModelConfig) -> dict:
+    return dict(
+        q_lora_rank=m.q_lora_rank or None,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_head_dim=m.qk_head_dim,
+        qk_pos_emb_head_dim=m.qk_pos_head_dim,
+        v_head_dim=m.v_head_dim,
+        rope_type="yarn" if m.rope_scaling == "yarn" else "rope",
+        rotary_base=m.rotary_base,
+        rotary_percent=m.rotary_percent,
+        rotary_scaling_factor=m.rope_scaling_factor,
+        original_max_position_embeddings=m.rope_original_max_position,
+        beta_fast=m.yarn_beta_fast,
+        beta_slow=m.yarn_beta_slow,
+        mscale=m.yarn_mscale,
+        mscale_all_dim=m.yarn_mscale_all_dim,
+    )
+
+
+@dataclass
+class Provider:
+    model: ModelConfig
+    parallel: ParallelConfig
+    dtype: torch.dtype = torch.float32
+    """Parameter dtype: bf16 on GPU, fp32 on CPU."""
+
+    def transformer_config(self):
+        from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+
+        m, p = self.model, self.parallel
+        kwargs = dict(
+            num_layers=m.num_layers,
+            hidden_size=m.hidden_size,
+            ffn_hidden_size=m.ffn_hidden_size,
+            num_attention_heads=m.num_attention_heads,
+            num_query_groups=m.num_query_groups or m.num_attention_heads,
+            kv_channels=m.head_dim or m.hidden_size // m.num_attention_heads,
+            normalization=m.normalization,
+            layernorm_zero_centered_gamma=m.zero_centered_gamma,
+            layernorm_epsilon=m.norm_epsilon,
+            gated_linear_unit=m.activation == "swiglu",
+            activation_func=_activation(m.activation),
+            add_bias_linear=False,
+            add_qkv_bias=m.qkv_bias,
+            qk_layernorm=m.qk_layernorm,
+            window_size=(m.sliding_window - 1, 0) if m.sliding_window else None,
+            hidden_dropout=0.0,  # RL and exactness tests need a deterministic forward
+            attention_dropout=0.0,
+            init_method_std=m.init_method_std,
+            tensor_model_parallel_size=p.tp,
+            pipeline_model_parallel_size=p.pp,
+            virtual_pipeline_model_parallel_size=p.vpp if p.vpp > 1 else None,
+            context_parallel_size=p.cp,
+            expert_model_parallel_size=p.ep,
+            sequence_parallel=p.sp,
+            params_dtype=self.dtype,
+            pipeline_dtype=self.dtype,
+            bf16=self.dtype == torch.bfloat16,
+            use_cpu_initialization=not torch.cuda.is_available(),
+            # Fusions below need apex/TE kernels; the unfused torch paths are exact.
+            gradient_accumulation_fusion=False,
+            bias_activation_fusion=False,
+            masked_softmax_fusion=False,
+            bias_dropout_fusion=False,
+            apply_rope_fusion=False,
+            persist_layer_norm=False,
+            calculate_per_token_loss=True,  # losses are normalized by global token counts
+            **_moe_kwargs(m, p),
+        )
+        if m.multi_latent_attention:
+            return MLATransformerConfig(**kwargs, **_mla_kwargs(m))
+        return TransformerConfig(**kwargs)
+
+    def layer_spec(self, config, vp_stage=None):
+        """Specs of this stage's layers: Transformer Engine's modules where TE runs, else
+        megatron-core's local modules with our Norm."""
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        use_te = te_available()
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                          normalization=self.model.normalization, vp_stage=vp_stage)
+        if not use_te:
+            _swap_local_modules(spec)
+        return spec
+
+    def build_stage(self, config, pre_process: bool, post_process: bool, vp_stage=None):
+        """The GPTModel holding this rank's layers of one (virtual) pipeline stage."""
+        from megatron.core.models.gpt import GPTModel
+
+        m = self.model
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=self.layer_spec(config, vp_stage),
+            vocab_size=padded_vocab_size(m.vocab_size),
+            max_sequence_length=m.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=m.tie_embeddings,
+            position_embedding_type="rope",
+            rotary_percent=m.rotary_percent,
+            rotary_base=int(m.rotary_base),
+            vp_stage=vp_stage,
+        )
+        if m.rope_scaling == "llama3" and not m.multi_latent_attention:
+            # megatron's llama3 scaling takes only the factor from GPTModel; apply it with all of
+            # the checkpoint's parameters instead.
+            rope = model.rotary_pos_emb
+            rope.inv_freq = rope._apply_scaling(
+                rope.inv_freq, factor=m.rope_scaling_factor, low_freq_factor=m.rope_low_freq_factor,
+                high_freq_factor=m.rope_high_freq_factor,
+                original_max_position_embeddings=m.rope_original_max_position)
+        return model
+
+
+def _swap_local_modules(spec):
+    """Replace megatron's local fallbacks throughout a spec tree by ours: the norm (zero-centered
+    gamma, sequence parallel) and the core attention (MLA's unequal head sizes)."""
+    import dataclasses
+
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from .attention import CoreAttention
+    from .norm import Norm
+
+    swaps = {WrappedTorchNorm: Norm, DotProductAttention: CoreAttention}
+    try:
+        from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+
+        swaps[FusedLayerNorm] = Norm
+    except ImportError:
+        pass
+
+    def visit(node):
+        if isinstance(node, ModuleSpec):
+            node.module = visit(node.module)
+            node.submodules = visit(node.submodules)
+            return node
+        if isinstance(node, list):
+            return [visit(x) for x in node]
+        if isinstance(node, type):
+            return swaps.get(node, node)
+        if dataclasses.is_dataclass(node):
+            for f in dataclasses.fields(node):
+                setattr(node, f.name, visit(getattr(node, f.name)))
+        return node
+
+    return visit(spec)
