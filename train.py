@@ -38,6 +38,10 @@ def main(argv=None) -> int:
     launch = platform.read_launch()
     try:
         cfg = apply_overrides(get_recipe(args.recipe), args.overrides)
+        if cfg.model.hf_path:  # the HF checkpoint's config.json sets the architecture
+            from megatron_rl.hf import resolve_model
+
+            cfg.model = resolve_model(cfg.model)
         cfg.validate(world_size=launch.world_size)
     except ConfigError as e:
         if launch.rank == 0:

@@ -171,11 +171,6 @@ def _require_complete(path: Path):
             f"point checkpoint.load at a checkpoints/step_N directory.")
 
 
-# ModelConfig fields that are training choices, not architecture: they may differ from a checkpoint's.
-_NOT_ARCHITECTURE = {"hf_path", "init_method_std", "moe_aux_loss_type", "moe_aux_loss_coeff",
-                     "moe_expert_bias_update_rate", "moe_router_dtype", "moe_capacity_factor", "moe_dispatcher"}
-
-
 def check_model_matches(path: str | Path, model):
     """Refuse, naming the fields, a checkpoint whose architecture differs from `model`."""
     from megatron.core import dist_checkpointing
@@ -185,7 +180,7 @@ def check_model_matches(path: str | Path, model):
         return
     ours = dataclasses.asdict(model)
     diff = [f"{k}={saved[k]!r} (yours: {ours[k]!r})" for k in saved
-            if k in ours and k not in _NOT_ARCHITECTURE and saved[k] != ours[k]]
+            if k in ours and k not in model.TRAINING_CHOICES and saved[k] != ours[k]]
     if diff:
         raise ValueError(f"checkpoint {str(path)!r} holds a different model: model.{', model.'.join(diff[:4])}; "
                          f"set those model.* fields to match.")

@@ -12,7 +12,7 @@ import json
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 
 class ConfigError(ValueError):
@@ -129,6 +129,12 @@ class ModelConfig:
         if self.multi_latent_attention:
             _positive(self, "kv_lora_rank", "qk_head_dim", "qk_pos_head_dim", "v_head_dim")
 
+    TRAINING_CHOICES: ClassVar[tuple[str, ...]] = (
+        "hf_path", "init_method_std", "moe_aux_loss_type", "moe_aux_loss_coeff", "moe_expert_bias_update_rate",
+        "moe_router_dtype", "moe_capacity_factor", "moe_dispatcher")
+    """Fields that are choices of a training run rather than of the architecture: a checkpoint or HF
+    model does not fix them."""
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether (0-based) layer `layer` has routed experts."""
         return bool(self.num_experts) and layer >= self.moe_first_dense_layers
@@ -177,6 +183,9 @@ class ParallelConfig:
                 f"{self.tp * self.cp * dp}; lower parallel.ep/etp or launch more processes.")
         if model is None:
             return
+        if model.num_experts and self.tp > 1 and not self.sp:
+            raise ConfigError("an MoE model with parallel.tp > 1 needs parallel.sp=true (megatron-core requires "
+                              "sequence parallelism with experts and tensor parallelism).")
         if self.ep > 1 and (not model.num_experts or model.num_experts % self.ep):
             raise ConfigError(
                 f"parallel.ep={self.ep} needs model.num_experts ({model.num_experts}) to be a multiple of it.")
@@ -211,6 +220,8 @@ class OptimizerConfig:
 
     def validate(self):
         _positive(self, "lr")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"optimizer.min_lr={self.min_lr} exceeds optimizer.lr={self.lr}; lower min_lr.")
 
 
 @dataclass(kw_only=True)
@@ -229,7 +240,7 @@ class DataConfig:
     """JSONL with {"prompt", "response"} or {"messages": [...]} rows."""
     val_path: str = ""
     tokenizer: str = ""
-    """A Hugging Face tokenizer directory; empty means the task's own tokenizer, built locally."""
+    """A Hugging Face tokenizer directory; empty means model.hf_path's, else the task's own (built locally)."""
     seq_length: int = 32
     """Tokens per sample after padding; longer samples are refused with their row number."""
     micro_batch_size: int = 16
@@ -285,6 +296,8 @@ class CheckpointConfig:
     save: bool = True
     keep: int = 2
     """How many recent checkpoints to keep; 0 keeps all."""
+    export_hf: bool = False
+    """At the end, also write the model as a Hugging Face directory to <run_dir>/hf."""
 
 
 @dataclass(kw_only=True)

@@ -65,8 +65,10 @@ def make_tokenizer(out_dir: Path):
     return build_char_tokenizer("0123456789+=abcdefghijklmnopqrstuvwxyz ", out_dir)
 
 
-def save_tiny_model(family: str, out_dir: Path, seed: int = 0, dtype=torch.float32, **overrides) -> Path:
-    """Build, randomize and save_pretrained a tiny model of `family`, with a tokenizer."""
+def save_tiny_model(family: str, out_dir: Path, seed: int = 0, dtype=torch.float32, fused: bool = False,
+                    **overrides) -> Path:
+    """Build, randomize and save_pretrained a tiny model of `family`, with a tokenizer. `fused`:
+    write MoE experts in transformers 5's in-memory layout instead of the hub's."""
     import transformers
 
     cls_name, kwargs = FAMILIES[family]
@@ -76,7 +78,7 @@ def save_tiny_model(family: str, out_dir: Path, seed: int = 0, dtype=torch.float
                                              **{**kwargs, **overrides})
     model = transformers.AutoModelForCausalLM.from_config(config)
     randomize_(model, seed)
-    model.to(dtype).save_pretrained(str(out_dir), **({"save_original_format": False} if overrides.pop("_fused", False) else {}))
+    model.to(dtype).save_pretrained(str(out_dir), save_original_format=not fused)
     return out_dir
 
 

@@ -171,3 +171,47 @@ def test_optimizer_patch_is_needed(name, tmp_path):
         pytest.skip("the CPU patches apply only without CUDA")
     without = _resume_optimizer(tmp_path, *OPTIMIZER_PATCHES[name])
     assert without.returncode != 0, f"{name}: ran without the patch; is it still needed?"
+
+
+# A tiny MLA + MoE model (DeepSeek-shaped) builds and runs forward; each fix of megatron-core's
+# TE-less paths is undone in turn and the run must then fail.
+MLA_MOE_FORWARD = """
+import sys, torch
+from megatron_rl import platform
+from megatron_rl.config import Config, ModelConfig
+from megatron_rl.training.setup import build_model
+import megatron.core.transformer.multi_latent_attention as mla
+import megatron.core.transformer.moe.moe_utils as moe_utils
+
+if __name__ == "__main__":
+    if "mla" in sys.argv:
+        mla.HAVE_TE = True  # what megatron-core itself concludes without TE
+    if "router" in sys.argv:
+        del moe_utils.te_general_gemm
+    platform.init_distributed()
+    platform.init_model_parallel()
+    model = ModelConfig(family="deepseek", num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2,
+                        vocab_size=16, multi_latent_attention=True, qk_layernorm=True, q_lora_rank=16,
+                        kv_lora_rank=8, qk_head_dim=8, qk_pos_head_dim=4, v_head_dim=8, num_experts=4,
+                        moe_ffn_hidden_size=16, moe_topk=2, moe_score_function="sigmoid", moe_expert_bias=True)
+    chunks, _ = build_model(Config(model=model), wrap_ddp=False)
+    tokens = torch.randint(0, 16, (1, 8))
+    print(chunks[0](tokens, torch.arange(8)[None], None).shape)
+"""
+
+
+@pytest.mark.parametrize("fix", ["mla", "router"])
+def test_te_less_fix_is_needed(fix, tmp_path):
+    from tests.helpers import free_port
+
+    script = tmp_path / "mla_moe.py"
+    script.write_text(MLA_MOE_FORWARD)
+
+    def run(*args):
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "MASTER_PORT": str(free_port())}
+        return subprocess.run([sys.executable, str(script), *args], cwd=ROOT, capture_output=True, text=True,
+                              env=env, timeout=120)
+
+    assert run(fix).returncode != 0, f"the {fix} fix is not needed any more"
+    proc = run()
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -90,7 +90,7 @@ def test_tiny_sft_learns(tmp_path):
     assert last["train/loss"] < 0.6 * first["train/loss"]
     assert last["val/accuracy"] > 0.02  # chance is ~1/199 for 2-digit sums
     assert (tmp_path / "checkpoints").is_dir() and (tmp_path / "config.json").is_file()
-    assert (tmp_path / "tokenizer" / "tokenizer.json").is_file()
+    assert (tmp_path / "hf_assets" / "tokenizer.json").is_file()
     for key in ("train/lr", "perf/step_time_s", "perf/tokens_per_s", "val/loss"):
         assert key in last
 

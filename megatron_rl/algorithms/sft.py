@@ -20,7 +20,8 @@ from megatron_rl.data.tokenizer import build_char_tokenizer, load_tokenizer
 from megatron_rl.logging import RunLogger
 from megatron_rl.profiling import Profiler
 from megatron_rl.training.logprobs import argmax_equals, mask_padded_vocab, token_logprobs
-from megatron_rl.training.setup import build_trainee
+from megatron_rl.hf import export_hf
+from megatron_rl.training.setup import build_trainee, load_initial_state, write_run_assets
 from megatron_rl.training.step import forward_backward, optimizer_step, reduce_reports, zero_grads
 
 
@@ -42,7 +43,7 @@ def prepare_data(cfg: Config, run_dir: Path):
     rank0 = dist.get_rank() == 0
     data_dir = run_dir / "data"
     train_path, val_path = cfg.data.train_path, cfg.data.val_path
-    tok_path = cfg.data.tokenizer
+    tok_path = cfg.data.tokenizer or cfg.model.hf_path
     if cfg.data.task:
         from megatron_rl.data import arithmetic
 
@@ -93,16 +94,11 @@ def run(cfg: Config, run_dir: Path) -> dict:
     trainee = build_trainee(cfg)
     batches = sft_data.Batches(train, cfg.data.global_batch_size, cfg.data.seed,
                                ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
-    step = 0
-    latest = checkpointing.latest_checkpoint(run_dir) if cfg.checkpoint.resume else None
-    if latest is not None:
-        state = checkpointing.load(trainee, latest)
-        step = state["step"]
+    assets = write_run_assets(cfg, run_dir, tokenizer)
+    latest, state = load_initial_state(trainee, cfg, run_dir)
+    step = state["step"] if state else 0
+    if state:
         batches.load_state_dict(state["extra"]["data"])
-    elif cfg.checkpoint.load:
-        checkpointing.load(trainee, cfg.checkpoint.load, weights_only=True)
-    if dist.get_rank() == 0:
-        tokenizer.save_pretrained(str(run_dir / "tokenizer"))
 
     log = RunLogger(run_dir, cfg.train.max_steps, step, enabled=dist.get_rank() == 0,
                     tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress, desc=cfg.recipe or "sft")
@@ -140,8 +136,11 @@ def run(cfg: Config, run_dir: Path) -> dict:
         if stop:
             log.write(f"early stop at step {step}: val/loss has not improved for {stale} evaluations")
         if cfg.checkpoint.save and (is_last or stop or (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0)):
-            checkpointing.save(trainee, run_dir, step, {"data": batches.state_dict()}, cfg.checkpoint.keep)
+            checkpointing.save(trainee, run_dir, step, {"data": batches.state_dict()}, cfg.checkpoint.keep,
+                               model=cfg.model, assets=assets)
         if stop:
             break
+    if cfg.checkpoint.export_hf:
+        log.write(f"wrote {export_hf(trainee.model, cfg.model, run_dir / 'hf', assets=assets, overwrite=True)}")
     log.close()
     return log.last if dist.get_rank() == 0 else metrics

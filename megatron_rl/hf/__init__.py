@@ -35,6 +35,15 @@ def model_config_from_hf(path: str | Path) -> ModelConfig:
     return model
 
 
+def resolve_model(model: ModelConfig) -> ModelConfig:
+    """The architecture from model.hf_path's config.json, keeping `model`'s training choices."""
+    resolved = model_config_from_hf(model.hf_path)
+    for name in ModelConfig.TRAINING_CHOICES:
+        if name != "hf_path":
+            setattr(resolved, name, getattr(model, name))
+    return resolved
+
+
 def import_hf(model_chunks: list, model: ModelConfig, path: str | Path, allow_pickle: bool = False):
     """Load an HF checkpoint into this rank's model chunks (any TP/PP/EP layout)."""
     from model_providers import get_family
@@ -51,7 +60,7 @@ def write_assets(hf_path: str | Path, out: str | Path, tokenizer=None, allow_pic
     if hf_path:
         copy_assets(hf_path, out)
         ckpt = HFCheckpoint(hf_path, allow_pickle)
-        dtypes = {name: str(ckpt.get(name).dtype).removeprefix("torch.") for name in sorted(ckpt.names())}
+        dtypes = {name: str(ckpt.dtype_of(name)).removeprefix("torch.") for name in sorted(ckpt.names())}
         (out / DTYPE_FILE).write_text(json.dumps(dtypes, indent=0))
     if tokenizer is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -86,7 +95,7 @@ def export_hf(model_chunks: list, model: ModelConfig, out: str | Path, assets: s
     dtype = dtype or _config_dtype(hf_config) or next(model_chunks[0].parameters()).dtype
     saved = json.loads((assets / DTYPE_FILE).read_text()) if assets and (assets / DTYPE_FILE).is_file() else {}
 
-    tmp = Path(_broadcast(f"{out.parent / ('.' + out.name)}.tmp-{os.getpid()}"))
+    tmp = staging_dir(out)
     if dist.get_rank() == 0:
         tmp.mkdir(parents=True)
     dist.barrier()
@@ -139,7 +148,8 @@ def _write_generation_config(out: Path, hf_config: dict):
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
 
-def _broadcast(value):
-    holder = [value]
+def staging_dir(out: Path) -> Path:
+    """A temporary sibling of `out`, the same on every rank, renamed to `out` once complete."""
+    holder = [str(out.parent / f".{out.name}.tmp-{os.getpid()}")]
     dist.broadcast_object_list(holder, src=0)
-    return holder[0]
+    return Path(holder[0])

@@ -12,7 +12,10 @@ from megatron_rl.config import ConfigError
 SAFE_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
-ASSET_MAX_BYTES = 64 << 20  # tokenizer and config files are small; anything bigger is not an asset
+ASSET_MAX_BYTES = 64 << 20
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}  # tokenizer and config files are small; anything bigger is not an asset
 
 
 class HFCheckpoint:
@@ -85,12 +88,12 @@ class HFCheckpoint:
             raise ConfigError(f"cannot read {name!r} from {str(self.path / file)!r}: the file is truncated or "
                               f"corrupt ({e}).") from None
 
-    def dtype(self) -> torch.dtype:
-        """The dtype its weights are stored in (that of the embedding)."""
-        for name in self.weight_map:
-            if name.endswith("embed_tokens.weight"):
-                return self.get(name).dtype
-        return torch.float32
+    def dtype_of(self, name: str) -> torch.dtype:
+        """A tensor's stored dtype, read from the file header (no data is loaded)."""
+        f = self._file(self.weight_map[name])
+        if isinstance(f, dict):
+            return f[name].dtype
+        return _SAFETENSORS_DTYPES[f.get_slice(name).get_dtype()]
 
 
 def copy_assets(src: str | Path, dst: str | Path):

@@ -106,3 +106,36 @@ def build_trainee(cfg: Config) -> Trainee:
     tconfig.finalize_model_grads_func = finalize_model_grads
     optimizer, scheduler = build_optimizer(cfg, model)
     return Trainee(model=model, optimizer=optimizer, scheduler=scheduler, config=tconfig)
+
+
+def write_run_assets(cfg: Config, run_dir, tokenizer):
+    """<run_dir>/hf_assets: the tokenizer (and the HF config when starting from HF), kept with every
+    checkpoint so that it exports to HF on its own."""
+    import torch.distributed as dist
+
+    from megatron_rl.hf import write_assets
+
+    assets = run_dir / "hf_assets"
+    if dist.get_rank() == 0:
+        write_assets(cfg.model.hf_path or None, assets, tokenizer)
+    dist.barrier()
+    return assets
+
+
+def load_initial_state(trainee: Trainee, cfg: Config, run_dir):
+    """Resume from the run's latest checkpoint (checkpoint.resume), else start from the weights of
+    checkpoint.load or model.hf_path, else from the random init. Returns (checkpoint path or None,
+    the resumed state {'step', 'extra'} or None)."""
+    from megatron_rl import checkpointing
+    from megatron_rl.hf import import_hf
+
+    latest = checkpointing.latest_checkpoint(run_dir) if cfg.checkpoint.resume else None
+    if latest is not None:
+        return latest, checkpointing.load(trainee, latest)
+    if cfg.checkpoint.load:
+        checkpointing.check_model_matches(cfg.checkpoint.load, cfg.model)
+        checkpointing.load(trainee, cfg.checkpoint.load, weights_only=True)
+    elif cfg.model.hf_path:
+        import_hf(trainee.model, cfg.model, cfg.model.hf_path)
+        trainee.optimizer.reload_model_params()  # bf16 models keep fp32 main copies
+    return None, None
