@@ -38,6 +38,15 @@ FAMILIES = {
         n_shared_experts=1, num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4,
         num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
         v_head_dim=16, n_group=2, topk_group=1, routed_scaling_factor=2.5, num_nextn_predict_layers=0)),
+    # no query compression, YaRN rope with mscale: MLA's other paths
+    "deepseek_v3_yarn": ("DeepseekV3Config", dict(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=2, num_hidden_layers=2, first_k_dense_replace=0, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=24, n_group=1, topk_group=1, routed_scaling_factor=1.0, num_nextn_predict_layers=0,
+        max_position_embeddings=256,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
+                             beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))),
     "nemotron": ("NemotronConfig", dict(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         partial_rotary_factor=0.5)),

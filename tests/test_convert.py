@@ -120,7 +120,7 @@ LAYOUTS = {
     "tp2": (["--tp", "2"], ["llama", "mistral", "qwen2", "qwen3", "nemotron"]),
     "tp2-sp-moe": (["--tp", "2", "--sp"], ["deepseek_v3", "qwen3_moe"]),
     "pp2": (["--pp", "2"], ["mistral", "qwen2", "nemotron", "qwen3_moe"]),
-    "ep2": (["--ep", "2"], ["qwen3_moe", "mixtral", "deepseek_v3"]),
+    "ep2": (["--ep", "2"], ["qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v3_yarn"]),
 }
 
 
@@ -271,3 +271,19 @@ def test_transformer_engine_names_map_to_canonical():
     assert canonical_layer_suffix("mlp.experts.linear_fc1.weight3", 8) == "mlp.experts.11.linear_fc1.weight"
     assert canonical_layer_suffix("mlp.experts.local_experts.2.linear_fc2.weight", 4) == "mlp.experts.6.linear_fc2.weight"
     assert canonical_layer_suffix("self_attention.linear_proj.weight", 0) == "self_attention.linear_proj.weight"
+
+
+def test_deepseek_mtp_layers_are_skipped_with_a_note(models, one_process, tmp_path, capsys):
+    """DeepSeek-V3 checkpoints carry multi-token-prediction layers after the decoder layers: they
+    are left out, with a note, and the rest still matches transformers."""
+    from safetensors.torch import save_file
+
+    path = _copy(models["deepseek_v3"], tmp_path / "mtp")
+    tensors = safetensors_of(path)
+    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    tensors[f"model.layers.{layers}.enorm.weight"] = torch.ones(64)
+    tensors[f"model.layers.{layers}.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    chunks, _ = megatron_model(path)
+    assert "skipped 2 HF tensors" in capsys.readouterr().out
+    assert (megatron_logits(chunks[0], TOKENS) - hf_logits(models["deepseek_v3"], TOKENS)).abs().max() <= LOGIT_TOL

@@ -119,40 +119,58 @@ def _is_writer(canonical_name: str) -> bool:
     return ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
 
 
+def _each_tensor(model_chunks: list, desc: str):
+    """(chunk, local name, tensor) of this rank, with a progress bar on rank 0."""
+    from tqdm import tqdm
+
+    items = [(chunk, name, t) for chunk in model_chunks for name, t in local_tensors(chunk).items()]
+    return tqdm(items, desc=desc, unit="tensor", disable=dist.get_rank() != 0, leave=False)
+
+
 def load_hf_weights(model_chunks: list, model: ModelConfig, rules: list[Rule], checkpoint, skipped=None):
     """Copy an HF checkpoint's tensors into this rank's part of the model. Every HF tensor must be
     used by some rank, and every model tensor filled, else a ConfigError says which."""
     available = checkpoint.names()
-    used = set()
-    for chunk in model_chunks:
-        for local_name, dst in local_tensors(chunk).items():
-            name, place = canonical(local_name, dst, chunk, model)
-            candidates = rules_for(rules, name)
-            if not candidates:
-                raise ConfigError(f"the {model.family} converter has no rule for megatron tensor {name!r}.")
-            # The first rule whose HF tensors are all present (several HF layouts may be accepted).
-            rule, fields = next(((r, f) for r, f in candidates if set(r.hf_names(f)) <= available), candidates[0])
-            hf_names = rule.hf_names(fields)
-            try:
-                full = to_megatron(rule, [checkpoint.get(n) for n in hf_names], model, fields)
-                local = place.slice(full)
-            except (RuntimeError, ValueError, IndexError) as e:
-                raise ConfigError(f"HF tensor(s) {', '.join(hf_names)} do not fit megatron tensor {name!r} "
-                                  f"({e}); config.json does not match the weights.") from None
-            if local.shape != dst.shape:
-                raise ConfigError(f"HF tensor(s) {', '.join(hf_names)} give megatron tensor {name!r} shape "
-                                  f"{tuple(local.shape)}, but config.json implies {tuple(dst.shape)}: the config does "
-                                  f"not match the weights.")
-            with torch.no_grad():
-                dst.copy_(local)
-            used.update(hf_names)
-    _check_all_used(available, used, model, skipped)
+    used, error = set(), None
+    try:
+        for chunk, local_name, dst in _each_tensor(model_chunks, "import"):
+            used.update(_load_one(chunk, local_name, dst, model, rules, checkpoint, available))
+    except ConfigError as e:
+        error = str(e)  # reported once every rank is done, so no rank waits forever for another
+    _check_all_used(available, used, error, model, skipped)
 
 
-def _check_all_used(available: set, used: set, model: ModelConfig, skipped):
+def _load_one(chunk, local_name: str, dst: torch.Tensor, model: ModelConfig, rules, checkpoint, available) -> list[str]:
+    """Fill one local tensor from the HF checkpoint; returns the HF names it used."""
+    name, place = canonical(local_name, dst, chunk, model)
+    candidates = rules_for(rules, name)
+    if not candidates:
+        raise ConfigError(f"the {model.family} converter has no rule for megatron tensor {name!r}.")
+    # The first rule whose HF tensors are all present (several HF layouts may be accepted).
+    rule, fields = next(((r, f) for r, f in candidates if set(r.hf_names(f)) <= available), candidates[0])
+    hf_names = rule.hf_names(fields)
+    try:
+        full = to_megatron(rule, [checkpoint.get(n) for n in hf_names], model, fields)
+        local = place.slice(full)
+    except (RuntimeError, ValueError, IndexError) as e:
+        raise ConfigError(f"HF tensor(s) {', '.join(hf_names)} do not fit megatron tensor {name!r} "
+                          f"({e}); config.json does not match the weights.") from None
+    if local.shape != dst.shape:
+        raise ConfigError(f"HF tensor(s) {', '.join(hf_names)} give megatron tensor {name!r} shape "
+                          f"{tuple(local.shape)}, but config.json implies {tuple(dst.shape)}: the config does "
+                          f"not match the weights.")
+    with torch.no_grad():
+        dst.copy_(local)
+    return hf_names
+
+
+def _check_all_used(available: set, used: set, error: str | None, model: ModelConfig, skipped):
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, sorted(used))
-    unused = available - set().union(*map(set, everyone))
+    dist.all_gather_object(everyone, (sorted(used), error))
+    errors = [e for _, e in everyone if e]
+    if errors:
+        raise ConfigError(errors[0])
+    unused = available - set().union(*(set(u) for u, _ in everyone))
     reasons = {}
     for name in sorted(unused):
         why = skipped(name, model) if skipped else None
@@ -168,17 +186,16 @@ def _check_all_used(available: set, used: set, model: ModelConfig, skipped):
 def export_hf_weights(model_chunks: list, model: ModelConfig, rules: list[Rule], writer, dtype: torch.dtype):
     """Hand this rank's share of HF tensors to `writer`; all ranks take part in the TP gathers."""
     export_rules = [r for r in rules if r.kind != "expert"]
-    for chunk in model_chunks:
-        for local_name, tensor in local_tensors(chunk).items():
-            if local_name == "output_layer.weight" and model.tie_embeddings:
-                continue  # the embedding is written from the first stage
-            name, place = canonical(local_name, tensor, chunk, model)
-            full = place.gather(tensor.detach())
-            if not _is_writer(name):
-                continue
-            candidates = rules_for(export_rules, name)
-            if not candidates:
-                raise ConfigError(f"the {model.family} converter has no rule for megatron tensor {name!r}.")
-            rule, fields = candidates[0]
-            for hf_name, t in zip(rule.hf_names(fields), to_hf(rule, full, model)):
-                writer.add(hf_name, t, dtype)
+    for chunk, local_name, tensor in _each_tensor(model_chunks, "export"):
+        if local_name == "output_layer.weight" and model.tie_embeddings:
+            continue  # the embedding is written from the first stage
+        name, place = canonical(local_name, tensor, chunk, model)
+        full = place.gather(tensor.detach())
+        if not _is_writer(name):
+            continue
+        candidates = rules_for(export_rules, name)
+        if not candidates:
+            raise ConfigError(f"the {model.family} converter has no rule for megatron tensor {name!r}.")
+        rule, fields = candidates[0]
+        for hf_name, t in zip(rule.hf_names(fields), to_hf(rule, full, model)):
+            writer.add(hf_name, t, dtype)
