@@ -19,8 +19,10 @@ $(VENV)/.installed: setup.py $(BIN)/python
 
 install: $(VENV)/.installed
 
+# The built-in pipeline: SFT from scratch, then GRPO from its checkpoint (plot: runs/tiny_grpo/plot.png).
 demo: install
 	$(BIN)/python train.py --recipe tiny_sft
+	$(BIN)/python train.py --recipe tiny_grpo
 
 test: install
 	$(BIN)/python -m pytest -q tests

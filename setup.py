@@ -22,6 +22,7 @@ setup(
         "tqdm",
         "tensorboard",
         "matplotlib",
+        "math-verify",  # the 'math' reward
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "nvidia-modelopt"],

@@ -164,6 +164,16 @@ def _prune(run_dir: Path, keep: int):
         shutil.rmtree(old, ignore_errors=True)
 
 
+def resolve(path: str | Path) -> Path:
+    """A checkpoint directory, or a run directory standing for its latest complete checkpoint."""
+    path = Path(path)
+    if not (path / MARKER).exists() and (path / "checkpoints").is_dir():
+        latest = latest_checkpoint(path)
+        if latest is not None:
+            return latest
+    return path
+
+
 def _require_complete(path: Path):
     if not (path / MARKER).exists():
         raise FileNotFoundError(

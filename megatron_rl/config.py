@@ -251,6 +251,9 @@ class DataConfig:
     num_val: int = 256
     digits: int = 3
     """Arithmetic task: maximum digits per operand."""
+    noise: float = 0.0
+    """Arithmetic task: share of training responses that are off by one (imperfect demonstrations);
+    the 'answer' field, which rewards check, and the validation split stay exact."""
     seed: int = 0
     """Seed for generating and shuffling data."""
 
@@ -268,9 +271,70 @@ class DataConfig:
 @dataclass(kw_only=True)
 class AlgorithmConfig:
     name: str = "sft"
-    """Which loop in megatron_rl/algorithms/ runs."""
+    """Which loop in megatron_rl/algorithms/ runs: sft or grpo."""
     early_stop_patience: int = 0
     """SFT: stop after this many evaluations without a better val/loss; 0 means never stop early."""
+    prompts_per_step: int = 32
+    """GRPO: prompts per step over all data-parallel ranks; each gets rollout.n samples."""
+    minibatches: int = 1
+    """GRPO: optimizer steps per rollout batch per epoch (the batch is split into this many)."""
+    epochs: int = 1
+    """GRPO: passes over each rollout batch; the rollout-time policy stays the old policy."""
+    clip_low: float = 0.2
+    """GRPO: the ratio is clipped to [1 - clip_low, 1 + clip_high]."""
+    clip_high: float = 0.2
+    kl_coef: float = 0.0
+    """GRPO: weight of the KL penalty to the reference (the initial policy); 0 turns it and the
+    reference model off."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    baseline: Literal["mean", "loo"] = "mean"
+    """GRPO advantage baseline: the group mean, or leave-one-out (the mean of the other samples)."""
+    std_normalization: Literal["group", "batch", "none"] = "group"
+    """GRPO: divide advantages by the group's reward std, the whole batch's, or not at all."""
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """Generation with megatron-core's dynamic inference engine on the training model."""
+
+    n: int = 8
+    """Samples per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    top_p: float = 0.0
+    """Nucleus sampling; 0 turns it off. Cannot be combined with top_k."""
+    top_k: int = 0
+    """Sample among the k most likely tokens; 0 turns it off."""
+    max_new_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    """Stop strings (comma-separated on the command line); eos always stops."""
+    seed: int = 0
+    """Sampling seed; step s of a run samples with seed + s (and the data-parallel rank)."""
+    max_sequence_length: int = 256
+    """Longest prompt + completion the engine's KV cache takes."""
+    max_requests: int = 512
+    """Requests decoded together (continuous batching); more wait for a free slot."""
+    max_tokens: int = 8192
+    """Tokens per engine step (prefill chunks included)."""
+    kv_cache_gb: float = 0.25
+    block_size_tokens: int = 32
+    """KV cache block size (paged attention)."""
+
+    def validate(self):
+        _positive(self, "n", "max_new_tokens", "max_requests", "max_tokens", "block_size_tokens")
+        if self.top_k and self.top_p:
+            raise ConfigError("rollout.top_k and rollout.top_p cannot both be set; pick one (0 turns one off).")
+        if not 0.0 <= self.top_p <= 1.0 or self.temperature <= 0:
+            raise ConfigError("rollout.top_p must be in [0, 1] and rollout.temperature positive.")
+
+
+@dataclass(kw_only=True)
+class RewardsConfig:
+    fn: str = "exact_match"
+    """'exact_match', 'math' (math-verify) or 'package.module:function' (see megatron_rl/rewards)."""
+    timeout_s: float = 10.0
+    """A sample whose scoring takes longer gets reward 0 (counted in rollout/reward_failures)."""
+    workers: int = 1
+    """Worker processes that score samples."""
 
 
 @dataclass(kw_only=True)
@@ -292,7 +356,8 @@ class CheckpointConfig:
     resume: bool = False
     """Continue from the latest complete checkpoint in the run directory."""
     load: str = ""
-    """Start from the model weights of this checkpoint directory (any TP/PP layout)."""
+    """Start from the model weights of this checkpoint directory (any TP/PP layout), or of the
+    latest checkpoint of this run directory."""
     save: bool = True
     keep: int = 2
     """How many recent checkpoints to keep; 0 keeps all."""
@@ -327,6 +392,8 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -338,10 +405,28 @@ class Config:
         self.parallel.validate(world_size, self.model)
         self.optimizer.validate()
         self.data.validate(self.parallel.data_parallel_size(world_size))
+        if self.algorithm.name == "grpo":
+            self._validate_grpo(self.parallel.data_parallel_size(world_size))
         _positive(self.train, "max_steps")
         if self.train.eval_every < 0 or self.checkpoint.save_every < 0:
             raise ConfigError("train.eval_every and checkpoint.save_every must be >= 0 (0 means at the end only).")
         return self
+
+    def _validate_grpo(self, dp: int):
+        a, r = self.algorithm, self.rollout
+        r.validate()
+        _positive(a, "prompts_per_step", "minibatches", "epochs")
+        samples = a.prompts_per_step * r.n
+        if a.prompts_per_step % dp or samples % (a.minibatches * self.data.micro_batch_size * dp):
+            raise ConfigError(
+                f"algorithm.prompts_per_step x rollout.n = {samples} samples must split into algorithm.minibatches="
+                f"{a.minibatches} minibatches of whole microbatches (data.micro_batch_size={self.data.micro_batch_size})"
+                f" on each of {dp} data-parallel ranks, and prompts_per_step into the ranks; adjust them.")
+        if r.max_sequence_length < self.data.seq_length + 1:
+            raise ConfigError(f"rollout.max_sequence_length={r.max_sequence_length} must exceed data.seq_length="
+                              f"{self.data.seq_length} (the training length of prompt + completion).")
+        if self.parallel.vpp > 1:
+            raise ConfigError("GRPO needs parallel.vpp=1: megatron-core's inference does not run interleaved pipelines.")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -383,6 +468,8 @@ def _parse_value(text: str, annotation, key: str):
         if text.lower() in ("none", "null"):
             return None
         hint, origin = args[0], typing.get_origin(args[0])
+    if origin is list:
+        return [item.strip() for item in text.split(",") if item.strip()]
     if origin is Literal:
         choices = typing.get_args(hint)
         if text not in choices:

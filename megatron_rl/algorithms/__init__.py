@@ -2,7 +2,7 @@
 
 import importlib
 
-ALGORITHMS = {"sft": "megatron_rl.algorithms.sft"}
+ALGORITHMS = {"sft": "megatron_rl.algorithms.sft", "grpo": "megatron_rl.algorithms.grpo"}
 
 
 def get_algorithm(name: str):

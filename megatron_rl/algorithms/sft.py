@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron_rl import checkpointing
 from megatron_rl.config import Config
 from megatron_rl.data import sft as sft_data
-from megatron_rl.data.tokenizer import build_char_tokenizer, load_tokenizer
+from megatron_rl.data.tasks import data_files
 from megatron_rl.logging import RunLogger
 from megatron_rl.profiling import Profiler
 from megatron_rl.training.logprobs import argmax_equals, mask_padded_vocab, token_logprobs
@@ -28,37 +28,19 @@ from megatron_rl.training.step import forward_backward, optimizer_step, reduce_r
 def sft_loss(vocab_size: int, batch: dict, logits: torch.Tensor):
     """(sum of response-token NLL, response-token count, report) for one microbatch."""
     logits = mask_padded_vocab(logits, vocab_size)  # (B, S, V/tp)
-    nll = -token_logprobs(logits, batch["labels"])  # (B, S)
     mask = batch["loss_mask"]
+    hit = argmax_equals(logits.detach(), batch["labels"]) | (mask == 0)  # (B, S), before logits are overwritten
+    nll = -token_logprobs(logits, batch["labels"])  # (B, S)
     loss_sum = (nll * mask).sum()
     tokens = mask.sum()
-    hit = argmax_equals(logits.detach(), batch["labels"]) | (mask == 0)  # (B, S)
     report = {"loss_sum": loss_sum.detach(), "tokens": tokens, "correct": hit.all(dim=1).sum(),
               "samples": torch.tensor(float(len(mask)))}
     return loss_sum, tokens.int(), report
 
 
 def prepare_data(cfg: Config, run_dir: Path):
-    """Tokenizer and encoded train/val tensors; a synthetic task is generated into run_dir/data."""
-    rank0 = dist.get_rank() == 0
-    data_dir = run_dir / "data"
-    train_path, val_path = cfg.data.train_path, cfg.data.val_path
-    tok_path = cfg.data.tokenizer or cfg.model.hf_path
-    if cfg.data.task:
-        from megatron_rl.data import arithmetic
-
-        if cfg.data.task != "arithmetic":
-            from megatron_rl.config import ConfigError
-
-            raise ConfigError(f"unknown data.task {cfg.data.task!r}; built in: 'arithmetic' (or set data.task='' and data.train_path).")
-        if rank0:
-            arithmetic.write_splits(data_dir, cfg.data.num_train, cfg.data.num_val, cfg.data.digits, cfg.data.seed)
-            if not tok_path:
-                build_char_tokenizer(arithmetic.ALPHABET, data_dir / "tokenizer")
-        train_path, val_path = data_dir / "train.jsonl", data_dir / "val.jsonl"
-        tok_path = tok_path or data_dir / "tokenizer"
-    dist.barrier()
-    tokenizer = load_tokenizer(tok_path)
+    """Tokenizer and encoded train/val tensors."""
+    tokenizer, train_path, val_path = data_files(cfg, run_dir)
     train = sft_data.encode(sft_data.read_jsonl(train_path), tokenizer, cfg.data.seq_length, str(train_path))
     val = sft_data.encode(sft_data.read_jsonl(val_path), tokenizer, cfg.data.seq_length, str(val_path)) if val_path else None
     return tokenizer, train, val

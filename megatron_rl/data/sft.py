@@ -89,7 +89,7 @@ class Batches:
                  dp_rank: int = 0, dp_size: int = 1):
         self.data, self.gbs, self.seed = data, global_batch_size, seed
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.n = len(data["tokens"])
+        self.n = len(next(iter(data.values())))
         self.consumed = 0  # samples taken so far (over all DP ranks)
 
     def _order(self, epoch: int) -> torch.Tensor:

@@ -70,3 +70,26 @@ class RunLogger:
 def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_metrics(run_dir: str | Path, keys: list[str], name: str = "plot.png") -> Path:
+    """A PNG with one panel per metric key (value per step) from metrics.jsonl; returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        points = [(r["step"], r[key]) for r in rows if key in r]
+        if points:
+            ax.plot(*zip(*points), marker="o" if len(points) < 30 else None)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(run_dir) / name
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

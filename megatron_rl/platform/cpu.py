@@ -214,12 +214,18 @@ def _patch_random(module):
     module._set_cuda_rng_state = _cpu_rng_set
 
 
+def _patch_dynamic_engine(module):
+    # It imported torch.cuda.nvtx's range_push/range_pop by name; a CPU build of torch raises there.
+    module.range_push = module.range_pop = _noop
+
+
 # The few places where a stand-in torch is not enough.
 _SPECIALS = {
     "megatron.core.optimizer.clip_grads": _patch_clip_grads,
     "megatron.core.optimizer.optimizer": _patch_optimizer,
     "megatron.core.optimizer.distrib_optimizer": _patch_distrib_optimizer,
     "megatron.core.tensor_parallel.random": _patch_random,
+    "megatron.core.inference.engines.dynamic_engine": _patch_dynamic_engine,
 }
 
 

@@ -87,7 +87,20 @@ def _fix_router_gemm(module):
         module.te_general_gemm = None
 
 
+def _paged_attention_without_flash_attn(module):
+    """The dynamic inference engine calls flash-attn's paged kernels (and asserts flash-attn >=
+    2.7.3 is installed); without flash-attn, give it the torch versions in paged_attention.py."""
+    if module.flash_attn_with_kvcache is not None:
+        return
+    from . import paged_attention
+
+    module.flash_attn_varlen_func = paged_attention.flash_attn_varlen_func
+    module.flash_attn_with_kvcache = paged_attention.flash_attn_with_kvcache
+    module.is_fa_min_version = lambda *args, **kwargs: True  # only asked about the kernels above
+
+
 def apply():
     hooks.on_import("megatron.core.optimizer.distrib_optimizer", _fix_distrib_optimizer)
     hooks.on_import("megatron.core.transformer.multi_latent_attention", _fix_mla_te_check)
     hooks.on_import("megatron.core.transformer.moe.moe_utils", _fix_router_gemm)
+    hooks.on_import("megatron.core.transformer.attention", _paged_attention_without_flash_attn)

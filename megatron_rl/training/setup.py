@@ -133,8 +133,9 @@ def load_initial_state(trainee: Trainee, cfg: Config, run_dir):
     if latest is not None:
         return latest, checkpointing.load(trainee, latest)
     if cfg.checkpoint.load:
-        checkpointing.check_model_matches(cfg.checkpoint.load, cfg.model)
-        checkpointing.load(trainee, cfg.checkpoint.load, weights_only=True)
+        path = checkpointing.resolve(cfg.checkpoint.load)
+        checkpointing.check_model_matches(path, cfg.model)
+        checkpointing.load(trainee, path, weights_only=True)
     elif cfg.model.hf_path:
         import_hf(trainee.model, cfg.model, cfg.model.hf_path)
         trainee.optimizer.reload_model_params()  # bf16 models keep fp32 main copies

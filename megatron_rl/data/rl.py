@@ -1,0 +1,41 @@
+"""RL data: prompt rows -> prompt token ids, and rollouts -> fixed-length training tensors."""
+
+import torch
+
+from .sft import DataError
+
+
+def encode_prompts(rows: list[dict], tokenizer, source: str) -> tuple[list[list[int]], list[dict]]:
+    """Token ids ([bos] prompt) and metadata (every other field, e.g. 'answer') of each row."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    prompts, metadata = [], []
+    for i, row in enumerate(rows, 1):
+        if "prompt" not in row:
+            raise DataError(f"{source}:{i}: an RL row needs a 'prompt' (and what its reward function reads, "
+                            f"e.g. 'answer'); got keys {sorted(row)}.")
+        prompts.append(bos + tokenizer(str(row["prompt"]), add_special_tokens=False)["input_ids"])
+        metadata.append({k: v for k, v in row.items() if k != "prompt"})
+    return prompts, metadata
+
+
+def pack(prompts: list[list[int]], completions: list[list[int]], seq_length: int, pad_id: int,
+         **per_token: list[list[float]]) -> dict[str, torch.Tensor]:
+    """Samples -> tokens, labels (next token), loss_mask (the completion's tokens) of shape (N, S),
+    and each per-token list in `per_token` (aligned with the completion) placed at its labels."""
+    n = len(prompts)
+    tokens = torch.full((n, seq_length), pad_id, dtype=torch.long)
+    labels = torch.full((n, seq_length), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, seq_length))
+    extra = {k: torch.zeros((n, seq_length)) for k in per_token}
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        ids = p + c
+        if len(ids) - 1 > seq_length:
+            raise DataError(f"a prompt of {len(p)} tokens plus {len(c)} generated ones exceeds data.seq_length="
+                            f"{seq_length} + 1; raise data.seq_length or lower rollout.max_new_tokens.")
+        tokens[i, : len(ids) - 1] = torch.tensor(ids[:-1])
+        labels[i, : len(ids) - 1] = torch.tensor(ids[1:])
+        span = slice(len(p) - 1, len(ids) - 1)  # positions whose label is a completion token
+        mask[i, span] = 1.0
+        for k, values in per_token.items():
+            extra[k][i, span] = torch.tensor(values[i][: len(c)], dtype=torch.float)
+    return {"tokens": tokens, "labels": labels, "loss_mask": mask, **extra}

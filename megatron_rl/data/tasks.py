@@ -1,0 +1,34 @@
+"""Where a run's data comes from: a built-in synthetic task (generated into <run_dir>/data, with its
+own tokenizer) or the user's JSONL files; and which tokenizer encodes it."""
+
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_rl.config import Config, ConfigError
+
+from .tokenizer import build_char_tokenizer, load_tokenizer
+
+TASKS = ("arithmetic",)
+
+
+def data_files(cfg: Config, run_dir: Path):
+    """(tokenizer, train JSONL path, val JSONL path or None). Rank 0 writes, every rank returns."""
+    train_path, val_path = cfg.data.train_path, cfg.data.val_path or None
+    tok_path = cfg.data.tokenizer or cfg.model.hf_path
+    if cfg.data.task:
+        from . import arithmetic
+
+        if cfg.data.task not in TASKS:
+            raise ConfigError(f"unknown data.task {cfg.data.task!r}; built in: {', '.join(TASKS)} "
+                              f"(or set data.task='' and data.train_path).")
+        data_dir = run_dir / "data"
+        if dist.get_rank() == 0:
+            arithmetic.write_splits(data_dir, cfg.data.num_train, cfg.data.num_val, cfg.data.digits, cfg.data.seed,
+                                    cfg.data.noise)
+            if not tok_path:
+                build_char_tokenizer(arithmetic.ALPHABET, data_dir / "tokenizer")
+        train_path, val_path = data_dir / "train.jsonl", data_dir / "val.jsonl"
+        tok_path = tok_path or data_dir / "tokenizer"
+    dist.barrier()
+    return load_tokenizer(tok_path), train_path, val_path

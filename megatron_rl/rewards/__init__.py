@@ -1,0 +1,106 @@
+"""Rewards: one interface for reward functions and environments.
+
+A reward function scores one sample: fn(prompt: str, completion: str, metadata: dict) -> float, or a
+dict of named components (float each; their sum, or the configured weighting, is the reward).
+Built in: 'exact_match' (the completion equals metadata['answer']) and 'math' (math-verify:
+boxed or plain answers, LaTeX and numeric equivalence). Anything else is a dotted path
+'package.module:function'.
+
+Each sample is scored in a worker process with a time limit: a function that raises or hangs on
+one sample gives that sample reward 0 and a counted warning; the run goes on.
+"""
+
+import importlib
+import multiprocessing as mp
+from dataclasses import dataclass, field
+
+from megatron_rl.config import ConfigError
+
+from .builtin import exact_match, math_answer
+
+BUILTIN = {"exact_match": exact_match, "math": math_answer}
+
+
+def load_reward(spec: str):
+    """The reward function named by a built-in name or 'package.module:function'."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    module, _, name = spec.partition(":")
+    if not name:
+        raise ConfigError(f"rewards.fn={spec!r} is neither a built-in ({', '.join(BUILTIN)}) nor 'module:function'.")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"rewards.fn={spec!r} cannot be loaded ({e}); check the module path and function name.") from None
+    if not callable(fn):
+        raise ConfigError(f"rewards.fn={spec!r} is not callable.")
+    return fn
+
+
+@dataclass
+class Scores:
+    rewards: list[float]
+    components: dict[str, list[float]] = field(default_factory=dict)
+    failures: int = 0  # samples whose scoring raised or timed out (reward 0)
+    errors: list[str] = field(default_factory=list)  # a few of their messages
+
+
+def _score_one(fn, prompt, completion, metadata):
+    out = fn(prompt, completion, metadata)
+    if isinstance(out, dict):
+        return {k: float(v) for k, v in out.items()}
+    return float(out)
+
+
+class RewardRunner:
+    """Scores samples in worker processes, each call limited to `timeout` seconds."""
+
+    def __init__(self, spec: str, timeout: float = 10.0, workers: int = 1, weights: dict | None = None):
+        self.spec, self.fn = spec, load_reward(spec)
+        self.timeout, self.workers = timeout, workers
+        self.weights = weights or {}
+        self.pool = None
+
+    def _pool(self):
+        if self.pool is None:
+            # fork: the workers inherit the function (also one defined in a test or notebook)
+            self.pool = mp.get_context("fork").Pool(self.workers)
+        return self.pool
+
+    def score(self, prompts: list[str], completions: list[str], metadata: list[dict]) -> Scores:
+        samples = list(zip(prompts, completions, metadata))
+        results, failures, errors = [], 0, []
+        while len(results) < len(samples):
+            pending = [self._pool().apply_async(_score_one, (self.fn, *s)) for s in samples[len(results):]]
+            for job in pending:
+                i = len(results)
+                try:
+                    results.append(job.get(timeout=self.timeout))
+                except mp.TimeoutError:
+                    failures += 1
+                    errors.append(f"sample {i}: no result within {self.timeout:g} s")
+                    results.append(None)
+                    self.pool.terminate()  # its worker is stuck: start over with the samples left
+                    self.pool = None
+                    break
+                except Exception as e:  # the function raised
+                    failures += 1
+                    errors.append(f"sample {i}: {type(e).__name__}: {e}")
+                    results.append(None)
+        return self._combine(results, failures, errors)
+
+    def _combine(self, results, failures, errors) -> Scores:
+        names = sorted({k for r in results if isinstance(r, dict) for k in r})
+        components = {k: [r.get(k, 0.0) if isinstance(r, dict) else 0.0 for r in results] for k in names}
+        rewards = []
+        for r in results:
+            if isinstance(r, dict):
+                rewards.append(sum(self.weights.get(k, 1.0) * v for k, v in r.items()))
+            else:
+                rewards.append(0.0 if r is None else r)
+        return Scores(rewards, components, failures, errors[:5])
+
+    def close(self):
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool = None

@@ -1,0 +1,148 @@
+"""Generation with megatron-core's dynamic inference engine, on the very GPTModel that trains.
+
+The engine wraps the training model object itself (no copy, no conversion, no refit): after an
+optimizer step the next rollout uses the new weights. It runs in eval mode under
+torch.inference_mode and hands the model back in train mode. The KV cache is paged (blocks) and
+batching is continuous: a finished sequence leaves the batch at once and stops costing compute.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rl.config import RolloutConfig
+
+
+@dataclass
+class Rollout:
+    """Samples in request order: prompt i's n samples are rows i*n .. i*n + n - 1."""
+
+    prompts: list[list[int]]  # per sample, the prompt token ids
+    completions: list[list[int]]  # generated token ids (eos included when produced)
+    logprobs: list[list[float]]  # log p of each generated token under the sampling distribution
+    truncated: list[bool]  # stopped by the token budget, not by eos or a stop string
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(c) for c in self.completions]
+
+
+class MegatronTokenizer:
+    """The tokenizer interface megatron-core's inference stack calls, on a Hugging Face tokenizer."""
+
+    def __init__(self, hf):
+        self.hf = hf
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.hf(text, add_special_tokens=False)["input_ids"]
+
+    def detokenize(self, ids, **_unused) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+    @property
+    def eod(self) -> int:
+        return self.hf.eos_token_id
+
+    @property
+    def bos(self) -> int:
+        return self.hf.bos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+
+def _masked_wrapper_class():
+    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+
+    class VocabMaskedGPTWrapper(GPTInferenceWrapper):
+        """GPTInferenceWrapper whose logits exclude the padding rows of the vocabulary (which megatron
+        would otherwise sample from), exactly as the training loss does."""
+
+        vocab_size: int = 0
+
+        def run_one_forward_step(self, inference_input, *args, **kwargs):
+            logits = super().run_one_forward_step(inference_input, *args, **kwargs)
+            if logits is not None:
+                logits[..., self.vocab_size:] = float("-inf")
+            return logits
+
+    return VocabMaskedGPTWrapper
+
+
+class RolloutEngine:
+    def __init__(self, model_chunks: list, model_cfg, tokenizer, rollout: RolloutConfig, dtype: torch.dtype):
+        """model_chunks: the trainee's model (DDP-wrapped is fine); one chunk per rank (no virtual PP)."""
+        from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+        from megatron.core.inference.engines import DynamicInferenceEngine
+        from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
+        from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+            TextGenerationController)
+
+        from model_providers.builder import padded_vocab_size
+
+        if len(model_chunks) != 1:
+            raise ValueError("rollouts need parallel.vpp=1: megatron-core's inference does not run interleaved pipelines.")
+        self.chunks = model_chunks
+        self.model = model_chunks[0].module if hasattr(model_chunks[0], "ddp_config") else model_chunks[0]
+        self.tokenizer = tokenizer
+        self.cfg = rollout
+        m = model_cfg
+        heads = m.num_attention_heads if m.multi_latent_attention else (m.num_query_groups or m.num_attention_heads)
+        kv_channels = (m.qk_head_dim + m.qk_pos_head_dim) if m.multi_latent_attention else (
+            m.head_dim or m.hidden_size // m.num_attention_heads)
+        self.context = DynamicInferenceContext(
+            params_dtype=dtype, num_layers=m.num_layers, kv_channels=kv_channels, num_attention_heads=heads,
+            max_sequence_length=rollout.max_sequence_length, buffer_size_gb=rollout.kv_cache_gb,
+            max_requests=rollout.max_requests, block_size_tokens=rollout.block_size_tokens,
+            max_tokens=rollout.max_tokens, materialize_only_last_token_logits=True)
+        wrapper_config = InferenceWrapperConfig(
+            hidden_size=m.hidden_size, params_dtype=dtype, inference_batch_times_seqlen_threshold=-1,
+            padded_vocab_size=padded_vocab_size(m.vocab_size), inference_max_requests=rollout.max_requests,
+            inference_max_seq_length=rollout.max_sequence_length)
+        wrapper = _masked_wrapper_class()(self.model, wrapper_config, self.context)
+        wrapper.vocab_size = m.vocab_size
+        self.controller = TextGenerationController(wrapper, MegatronTokenizer(tokenizer))
+        self.engine = DynamicInferenceEngine(self.controller, self.context, random_seed=rollout.seed)
+
+    def sampling_params(self, greedy: bool = False):
+        from megatron.core.inference.sampling_params import SamplingParams
+
+        r = self.cfg
+        return SamplingParams(
+            temperature=1.0 if greedy else r.temperature, top_k=1 if greedy else r.top_k,
+            top_p=0.0 if greedy else r.top_p, num_tokens_to_generate=r.max_new_tokens, return_log_probs=True,
+            skip_prompt_log_probs=True, termination_id=self.tokenizer.eos_token_id,
+            stop_words=list(r.stop) or None)
+
+    def generate(self, prompts: list[list[int]], n: int = 1, seed: int = 0, greedy: bool = False) -> Rollout:
+        """n samples for each prompt (token ids), reproducible for a given seed."""
+        params = self.sampling_params(greedy)
+        self.engine.reset()
+        self.controller.sampling_rng.manual_seed(seed)
+        for chunk in self.chunks:
+            chunk.eval()
+        try:
+            order = []
+            for i, prompt in enumerate(prompts):
+                for j in range(n):
+                    request_id = i * n + j
+                    self.engine.add_request(request_id, list(prompt), params)
+                    order.append(request_id)
+            done = {}
+            with torch.inference_mode():
+                while self.engine.has_unfinished_requests():
+                    for record in self.engine.step_modern()["finished_request_records"]:
+                        request = record.merge()
+                        done[request.request_id] = request
+        finally:
+            for chunk in self.chunks:
+                chunk.train()
+        eos = self.tokenizer.eos_token_id
+        samples = [done[i] for i in order]
+        completions = [list(r.generated_tokens) for r in samples]
+        return Rollout(
+            prompts=[r.prompt_tokens.tolist() for r in samples],
+            completions=completions,
+            logprobs=[[float(x) for x in (r.generated_log_probs or [])] for r in samples],
+            truncated=[len(c) >= self.cfg.max_new_tokens and (not c or c[-1] != eos) for c in completions])
