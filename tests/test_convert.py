@@ -22,17 +22,6 @@ def models(tmp_path_factory):
     return {name: save_tiny_model(name, root / name, seed=i) for i, name in enumerate(FAMILIES)}
 
 
-@pytest.fixture(scope="module")
-def one_process():
-    """A single-process gloo group and megatron's parallel state, for in-process conversions."""
-    from megatron_rl import platform
-
-    platform.init_distributed(platform.Launch(master_port=free_port()))
-    platform.init_model_parallel()
-    yield
-    platform.shutdown()
-
-
 def megatron_model(path):
     from megatron_rl.hf import import_hf, model_config_from_hf
     from megatron_rl.training.setup import build_model

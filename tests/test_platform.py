@@ -215,3 +215,50 @@ def test_te_less_fix_is_needed(fix, tmp_path):
     assert run(fix).returncode != 0, f"the {fix} fix is not needed any more"
     proc = run()
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# megatron-core's dynamic inference engine generates on CPU without flash-attn; each patch it
+# needs is undone in turn and generation must then fail. (The inference send/recv patch for
+# pipeline parallelism is exercised by tests/test_grpo.py's PP=2 run.)
+DYNAMIC_ENGINE = """
+import sys, torch
+from megatron_rl import platform
+from megatron_rl.config import Config
+from megatron_rl.data.tokenizer import build_char_tokenizer
+from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.training.setup import build_model
+import megatron.core.inference.engines.dynamic_engine as dynamic_engine
+import megatron.core.transformer.attention as attention
+
+if __name__ == "__main__":
+    if "nvtx" in sys.argv:
+        dynamic_engine.range_push = torch.cuda.nvtx.range_push
+    if "flash_attn" in sys.argv:
+        attention.flash_attn_with_kvcache = attention.flash_attn_varlen_func = None
+    platform.init_distributed()
+    platform.init_model_parallel()
+    tok = build_char_tokenizer("0123456789", sys.argv[1])
+    cfg = Config()
+    cfg.model.vocab_size = len(tok)
+    chunks, _ = build_model(cfg, wrap_ddp=False)
+    print(RolloutEngine(chunks, cfg.model, tok, cfg.rollout, torch.float32).generate([[1, 4, 5]], n=2).completions)
+"""
+
+
+@pytest.mark.parametrize("patch", ["nvtx", "flash_attn"])
+def test_dynamic_engine_patch_is_needed(patch, tmp_path):
+    from tests.helpers import free_port
+
+    script = tmp_path / "engine.py"
+    script.write_text(DYNAMIC_ENGINE)
+
+    def run(*args):
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "MASTER_PORT": str(free_port())}
+        return subprocess.run([sys.executable, str(script), str(tmp_path / "tok"), *args], cwd=ROOT,
+                              capture_output=True, text=True, env=env, timeout=120)
+
+    if patch == "nvtx" and torch.cuda.is_available():
+        pytest.skip("the nvtx patch applies only without CUDA")
+    assert run(patch).returncode != 0, f"the {patch} patch is not needed any more"
+    proc = run()
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -214,6 +214,11 @@ def _patch_random(module):
     module._set_cuda_rng_state = _cpu_rng_set
 
 
+def _patch_inference_communication(module):
+    # Pipeline-parallel inference asserts that the tensors it sends between stages are CUDA tensors.
+    module._is_cuda = lambda tensor: None
+
+
 def _patch_dynamic_engine(module):
     # It imported torch.cuda.nvtx's range_push/range_pop by name; a CPU build of torch raises there.
     module.range_push = module.range_pop = _noop
@@ -226,6 +231,7 @@ _SPECIALS = {
     "megatron.core.optimizer.distrib_optimizer": _patch_distrib_optimizer,
     "megatron.core.tensor_parallel.random": _patch_random,
     "megatron.core.inference.engines.dynamic_engine": _patch_dynamic_engine,
+    "megatron.core.inference.communication_utils": _patch_inference_communication,
 }
 
 

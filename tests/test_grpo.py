@@ -1,0 +1,155 @@
+"""GRPO end to end: rollouts on the training model, logprob agreement, equal losses across layouts
+and microbatching, reward isolation."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from megatron_rl.checkpointing import checkpoint_dir
+from tests.helpers import ROOT, column, free_port, metrics, run_train
+
+QUICK = ["train.eval_every=0", "logging.progress=false", "logging.tensorboard=false", "checkpoint.save=false",
+         "data.num_val=64", "data.num_train=2000"]
+
+
+@pytest.fixture(scope="module")
+def sft_checkpoint(tmp_path_factory):
+    """A briefly trained tiny_sft model: GRPO starts from it."""
+    run = tmp_path_factory.mktemp("sft")
+    run_train(["--recipe", "tiny_sft", "train.max_steps=60", "train.eval_every=0", "data.num_train=4000",
+               "logging.progress=false", "logging.tensorboard=false", f"logging.run_dir={run}"])
+    return checkpoint_dir(run, 60)
+
+
+@pytest.fixture(scope="module")
+def single(sft_checkpoint, tmp_path_factory):
+    run = tmp_path_factory.mktemp("grpo_single")
+    run_train(["--recipe", "tiny_grpo", *QUICK, "train.max_steps=2", f"checkpoint.load={sft_checkpoint}",
+               f"logging.run_dir={run}"])
+    return run
+
+
+def test_grpo_step_metrics_and_logprob_agreement(single):
+    rows = metrics(single)
+    assert [r["step"] for r in rows] == [0, 1, 2]  # step 0: the starting point's validation
+    for key in ("rollout/reward_mean", "rollout/accuracy", "rollout/response_len_mean", "rollout/truncated_frac",
+                "train/loss", "train/kl", "train/clip_frac", "train/entropy", "rollout/logprob_mismatch_max",
+                "perf/rollout_tokens_per_s", "perf/train_tokens_per_s", "perf/time_rollout_s",
+                "perf/time_logprob_s", "perf/time_train_s", "val/accuracy", "val/reward_mean"):
+        assert key in rows[-1], key
+    # The engine's logprobs of the sampled tokens equal the training forward's (fp32, CPU).
+    assert max(column(single, "rollout/logprob_mismatch_max")) <= 1e-5
+    assert 0 < rows[-1]["train/entropy"] < 2.71  # below log(15): the padded vocabulary is excluded
+    assert (single / "plot.png").is_file()
+
+
+# Tolerances: the same rollouts (same seed) through a different reduction order.
+@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.pp=2"], ["data.micro_batch_size=16"]],
+                         ids=["tp2", "pp2", "microbatch16"])
+def test_grpo_layouts_match_single_process(layout, single, sft_checkpoint, tmp_path):
+    nproc = 1 if layout[0].startswith("data.") else 2
+    run_train(["--recipe", "tiny_grpo", *QUICK, "train.max_steps=2", f"checkpoint.load={sft_checkpoint}", *layout,
+               f"logging.run_dir={tmp_path}"], nproc=nproc)
+    assert column(tmp_path, "rollout/reward_mean") == column(single, "rollout/reward_mean")  # same samples
+    assert column(tmp_path, "train/loss") == pytest.approx(column(single, "train/loss"), rel=1e-5, abs=1e-8)
+    assert column(tmp_path, "train/grad_norm") == pytest.approx(column(single, "train/grad_norm"), rel=1e-5)
+    assert max(column(tmp_path, "rollout/logprob_mismatch_max")) <= 1e-5
+
+
+def test_loss_normalization_is_independent_of_microbatching_and_dp():
+    """One optimizer step on the same global batch: DP1 with 1 or 4 microbatches, DP2 with 2 each."""
+    def run(nproc, micro):
+        env = {**__import__("os").environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
+               "MASTER_PORT": str(free_port())}
+        cmd = ([sys.executable] if nproc == 1 else
+               [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                f"--master_port={free_port()}"]) + ["tests/scripts/grpo_normalization.py", str(micro)]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    full, split, dp2 = run(1, 32), run(1, 8), run(2, 8)
+    assert split["loss"] == pytest.approx(full["loss"], rel=1e-6)
+    assert dp2["loss"] == pytest.approx(full["loss"], rel=1e-6)
+    assert split["grad_norm"] == pytest.approx(full["grad_norm"], rel=1e-5)
+    assert dp2["grad_norm"] == pytest.approx(full["grad_norm"], rel=1e-5)
+
+
+def test_engine_runs_on_the_training_parameters(one_process, tmp_path):
+    """No copy: the engine's model is the trainee's (same storage), and after an optimizer step the
+    next rollout's logprobs are the new weights' (and differ from the old ones)."""
+    from megatron_rl.algorithms.grpo import logprobs_of
+    from megatron_rl.config import Config
+    from megatron_rl.data import rl as rl_data
+    from megatron_rl.data.tokenizer import build_char_tokenizer
+    from megatron_rl.rollout.engine import RolloutEngine
+    from megatron_rl.training.setup import build_trainee
+    from megatron_rl.training.step import optimizer_step, zero_grads
+
+    tok = build_char_tokenizer("0123456789+=", tmp_path / "tok")
+    cfg = Config()
+    cfg.model.vocab_size = len(tok)
+    cfg.rollout.max_new_tokens = 6
+    trainee = build_trainee(cfg)
+    engine = RolloutEngine(trainee.model, cfg.model, tok, cfg.rollout, torch.float32)
+    trained = {p.data_ptr() for p in trainee.model[0].module.parameters()}
+    assert {p.data_ptr() for p in engine.model.parameters()} == trained
+
+    prompts = [[tok.bos_token_id, 3, 4, 12], [tok.bos_token_id, 5, 13]]
+
+    def sample_and_check():
+        rollout = engine.generate(prompts, n=3, seed=11)
+        batch = rl_data.pack(rollout.prompts, rollout.completions, 12, tok.pad_token_id, rollout_logp=rollout.logprobs)
+        batch["index"] = torch.arange(len(rollout.completions))
+        train_logp = logprobs_of(trainee.model, batch, 8, cfg.model.vocab_size)
+        mask = batch["loss_mask"] > 0
+        assert (train_logp - batch["rollout_logp"]).abs()[mask].max() <= 1e-5
+        return rollout, batch
+
+    before, batch = sample_and_check()
+    zero_grads(trainee)
+    for p in trainee.model[0].parameters():
+        p.main_grad.normal_()
+    optimizer_step(trainee)
+    after, _ = sample_and_check()  # agrees with the *new* training forward
+    again = engine.generate(prompts, n=3, seed=11)
+    assert again.completions == after.completions  # seeded: reproducible
+    assert after.logprobs != before.logprobs
+
+
+def _flaky_reward(prompt, completion, metadata):
+    if metadata["kind"] == "raise":
+        raise ValueError("bad sample")
+    if metadata["kind"] == "hang":
+        time.sleep(60)
+    return 1.0
+
+
+def test_reward_that_raises_or_hangs_is_isolated():
+    from megatron_rl.rewards import RewardRunner
+
+    runner = RewardRunner("tests.test_grpo:_flaky_reward", timeout=1.0)
+    kinds = ["ok", "raise", "ok", "hang", "ok"]
+    t0 = time.time()
+    scores = runner.score(["p"] * 5, ["c"] * 5, [{"kind": k} for k in kinds])
+    runner.close()
+    assert scores.rewards == [1.0, 0.0, 1.0, 0.0, 1.0]
+    assert scores.failures == 2
+    assert any("ValueError: bad sample" in e for e in scores.errors)
+    assert any("no result within 1 s" in e for e in scores.errors)
+    assert time.time() - t0 < 20
+
+
+def test_builtin_rewards():
+    from megatron_rl.rewards import load_reward
+
+    exact, math = load_reward("exact_match"), load_reward("math")
+    assert exact("1+2=", " 3", {"answer": "3"}) == 1.0 and exact("1+2=", "4", {"answer": "3"}) == 0.0
+    assert math("", "so the answer is \\boxed{\\frac{1}{2}}", {"answer": "0.5"}) == 1.0
+    assert math("", "\\boxed{3}", {"answer": "2"}) == 0.0
+    with pytest.raises(Exception, match="cannot be loaded"):
+        load_reward("no_such_module:fn")
