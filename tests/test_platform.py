@@ -148,14 +148,19 @@ OPTIMIZER_PATCHES = {
 }
 
 
-def _resume_optimizer(tmp_path, precision, optimizer, *undo) -> subprocess.CompletedProcess:
+def _run_script(text: str, tmp_path, *args) -> subprocess.CompletedProcess:
+    """Run `text` as a script (one process, its own port) with `args`."""
     from tests.helpers import free_port
 
-    script = tmp_path / "optimizer_resume.py"
-    script.write_text(OPTIMIZER_RESUME)
+    script = tmp_path / "script.py"
+    script.write_text(text)
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "MASTER_PORT": str(free_port())}
-    return subprocess.run([sys.executable, str(script), str(tmp_path / "run"), precision, optimizer, *undo],
-                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run([sys.executable, str(script), *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def _resume_optimizer(tmp_path, precision, optimizer, *undo) -> subprocess.CompletedProcess:
+    return _run_script(OPTIMIZER_RESUME, tmp_path, tmp_path / "run", precision, optimizer, *undo)
 
 
 @pytest.mark.parametrize("precision, optimizer", [("fp32", "distributed"), ("bf16", "plain"),
@@ -202,18 +207,8 @@ if __name__ == "__main__":
 
 @pytest.mark.parametrize("fix", ["mla", "router"])
 def test_te_less_fix_is_needed(fix, tmp_path):
-    from tests.helpers import free_port
-
-    script = tmp_path / "mla_moe.py"
-    script.write_text(MLA_MOE_FORWARD)
-
-    def run(*args):
-        env = {**os.environ, "PYTHONWARNINGS": "ignore", "MASTER_PORT": str(free_port())}
-        return subprocess.run([sys.executable, str(script), *args], cwd=ROOT, capture_output=True, text=True,
-                              env=env, timeout=120)
-
-    assert run(fix).returncode != 0, f"the {fix} fix is not needed any more"
-    proc = run()
+    assert _run_script(MLA_MOE_FORWARD, tmp_path, fix).returncode != 0, f"the {fix} fix is not needed any more"
+    proc = _run_script(MLA_MOE_FORWARD, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -247,18 +242,9 @@ if __name__ == "__main__":
 
 @pytest.mark.parametrize("patch", ["nvtx", "flash_attn"])
 def test_dynamic_engine_patch_is_needed(patch, tmp_path):
-    from tests.helpers import free_port
-
-    script = tmp_path / "engine.py"
-    script.write_text(DYNAMIC_ENGINE)
-
-    def run(*args):
-        env = {**os.environ, "PYTHONWARNINGS": "ignore", "MASTER_PORT": str(free_port())}
-        return subprocess.run([sys.executable, str(script), str(tmp_path / "tok"), *args], cwd=ROOT,
-                              capture_output=True, text=True, env=env, timeout=120)
-
     if patch == "nvtx" and torch.cuda.is_available():
         pytest.skip("the nvtx patch applies only without CUDA")
-    assert run(patch).returncode != 0, f"the {patch} patch is not needed any more"
-    proc = run()
+    tok = tmp_path / "tok"
+    assert _run_script(DYNAMIC_ENGINE, tmp_path, tok, patch).returncode != 0, f"the {patch} patch is not needed any more"
+    proc = _run_script(DYNAMIC_ENGINE, tmp_path, tok)
     assert proc.returncode == 0, proc.stderr[-3000:]
