@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The one prepared script for a lent GPU machine (see ../shared/device/README.md): install the
+# wheels carried in .whl/, run the test suite on CUDA, then the rollout benchmark; results go
+# to $OUT (pytest log, benchmark JSON) for BENCHMARKS.md.
+#
+#   here:   ../shared/device/fetch_wheels.sh math-verify latex2sympy2_extended antlr4-python3-runtime==4.13.2
+#   device: run with carry [".whl"] and command "bash bench/gpu_check.sh"
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONWARNINGS=ignore
+nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
+python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))" >> "$OUT/gpu.txt" 2>&1
+# The suite on CUDA (multi-rank tests use gloo-free paths only where one GPU suffices).
+timeout 420 python3 -m pytest -q -x tests/test_losses.py tests/test_config.py tests/test_convert.py \
+    -k "not other_layouts and not cli" > "$OUT/pytest.txt" 2>&1
+echo "pytest exit $?" >> "$OUT/pytest.txt"
+for batch in 64 256; do
+  timeout 240 python3 bench/rollout_throughput.py --batch $batch --json "$OUT/rollout_b$batch.json" \
+      > "$OUT/rollout_b$batch.log" 2>&1
+done
+ls -la "$OUT"

@@ -1,0 +1,155 @@
+"""Generation throughput: our rollout engine (megatron-core's dynamic engine on the Megatron model)
+against Hugging Face transformers' `generate` on the same weights, prompts, batch and sampling.
+
+    python bench/rollout_throughput.py [--batch 64] [--new-tokens 64] [--size 25m]
+
+Two settings, both sampling at temperature 1 from the same prompts:
+- fixed: exactly --new-tokens tokens per sequence (end-of-sequence off): the same work for both.
+- rl: end-of-sequence on, with its logit raised so that lengths vary as in RL rollouts (mean about
+  a third of --new-tokens). transformers keeps finished sequences in the batch until the last one
+  ends; our engine drops them, so they stop costing compute.
+Prints generated tokens/s of each, their ratio, and the GEMM-bound floor of this machine
+(2 x parameters x tokens FLOPs at the measured fp32 matmul rate) as a fraction reached.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SIZES = {  # Qwen3-shaped models
+    "25m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
+                num_key_value_heads=4, head_dim=64, vocab_size=8192),
+    "tiny": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, vocab_size=1024),
+}
+
+
+def matmul_tflops(n: int = 1024, repeat: int = 20) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        a @ b
+    return 2 * n**3 * repeat / (time.perf_counter() - t0) / 1e12
+
+
+def hf_generate(path, prompts, new_tokens, seed, stop_at_eos):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    ids = torch.tensor(prompts)
+    eos = model.generation_config.eos_token_id
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        model.generate(ids[:2], max_new_tokens=4, min_new_tokens=4, do_sample=True, top_k=0)  # warm up
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=0 if stop_at_eos else new_tokens, do_sample=True, temperature=1.0,
+                             top_k=0, top_p=1.0)
+        dt = time.perf_counter() - t0
+    generated = out[:, ids.shape[1]:]
+    if stop_at_eos:  # tokens up to and including each sequence's first eos
+        ended = (generated == eos).int().cumsum(dim=1)
+        tokens = int(((ended == 0) | ((ended == 1) & (generated == eos))).sum())
+    else:
+        tokens = generated.numel()
+    return tokens / dt, dt, tokens
+
+
+def ours(path, prompts, new_tokens, seed, stop_at_eos):
+    from megatron_rl.config import Config, RolloutConfig
+    from megatron_rl.hf import import_hf, model_config_from_hf
+    from megatron_rl.rollout.engine import RolloutEngine
+    from megatron_rl.training.setup import build_model
+    from transformers import AutoTokenizer
+
+    cfg = Config(model=model_config_from_hf(path))
+    chunks, _ = build_model(cfg, wrap_ddp=False)
+    import_hf(chunks, cfg.model, path)
+    rollout = RolloutConfig(max_new_tokens=new_tokens, max_sequence_length=len(prompts[0]) + new_tokens + 8,
+                            max_requests=len(prompts), temperature=1.0, kv_cache_gb=1.0)
+    engine = RolloutEngine(chunks, cfg.model, AutoTokenizer.from_pretrained(str(path)), rollout, torch.float32,
+                           stop_at_eos=stop_at_eos)
+    engine.generate(prompts[:2], n=1, seed=seed)  # warm up
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, n=1, seed=seed)
+    dt = time.perf_counter() - t0
+    tokens = sum(out.lengths)
+    assert stop_at_eos or tokens == len(prompts) * new_tokens
+    return tokens / dt, dt, tokens
+
+
+def raise_eos_logit(path: Path, eos: int, new_tokens: int):
+    """Make end-of-sequence likely enough (about 3/new_tokens per step) that lengths vary."""
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    weights = load_file(str(file))
+    head = weights["lm_head.weight"]
+    probe = torch.randn(256, head.shape[1]) * 0.5
+    logits = probe @ head.T  # typical logits; shift eos's by a constant so its probability is ~3/new_tokens
+    target = torch.log(torch.tensor(3.0 / new_tokens)) + torch.logsumexp(logits, -1).mean() - logits[:, eos].mean()
+    direction = head[eos] / head[eos].norm()
+    weights["lm_head.weight"][eos] = head[eos] + direction * target / (probe @ direction).mean().clamp(min=1e-3)
+    save_file(weights, str(file), metadata={"format": "pt"})
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--size", choices=sorted(SIZES), default="25m")
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args()
+
+    import transformers
+
+    from megatron_rl import platform
+    from megatron_rl.data.tokenizer import build_char_tokenizer
+    from tests.hf_models import randomize_
+
+    platform.init_distributed()
+    platform.init_model_parallel()
+    tmp = Path(tempfile.mkdtemp())
+    tok = build_char_tokenizer("0123456789abcdefghijklmnopqrstuvwxyz", tmp)
+    config = transformers.Qwen3Config(**SIZES[args.size], bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                      pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    randomize_(model)
+    model.save_pretrained(str(tmp))
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, 36, (args.batch, args.prompt_len), generator=g).tolist()
+
+    flops = matmul_tflops()
+    floor_tps = flops * 1e12 / (2 * params)
+    result = {"model": f"Qwen3-shaped {params / 1e6:.1f}M params, fp32", "batch": args.batch,
+              "max_new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "matmul_tflops": round(flops, 3),
+              "floor_tokens_per_s": round(floor_tps, 1)}
+    for setting, stop_at_eos in (("fixed", False), ("rl", True)):
+        if stop_at_eos:
+            raise_eos_logit(tmp, tok.eos_token_id, args.new_tokens)
+        hf_tps, hf_s, hf_tokens = hf_generate(tmp, prompts, args.new_tokens, 0, stop_at_eos)
+        our_tps, our_s, our_tokens = ours(tmp, prompts, args.new_tokens, 0, stop_at_eos)
+        result[setting] = {"ours_tokens_per_s": round(our_tps, 1), "hf_generate_tokens_per_s": round(hf_tps, 1),
+                           "ours_over_hf": round(our_tps / hf_tps, 2), "ours_s": round(our_s, 2), "hf_s": round(hf_s, 2),
+                           "ours_tokens": our_tokens, "hf_tokens": hf_tokens,
+                           "ours_fraction_of_floor": round(our_tps / floor_tps, 2)}
+    print(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    platform.shutdown()
+
+
+if __name__ == "__main__":
+    main()
