@@ -153,3 +153,58 @@ def test_builtin_rewards():
     assert math("", "\\boxed{3}", {"answer": "2"}) == 0.0
     with pytest.raises(Exception, match="cannot be loaded"):
         load_reward("no_such_module:fn")
+
+
+def test_sampler_top_k_top_p_and_temperature(one_process, tmp_path):
+    """The engine's sampler: top-k keeps the k most likely tokens, top-p the smallest set reaching p,
+    and the empirical distribution follows softmax(logits / temperature)."""
+    from megatron_rl.rollout.engine import _fast_sampling_controller_class
+
+    sampler = _fast_sampling_controller_class().__new__(_fast_sampling_controller_class())
+    sampler.sampling_rng = torch.Generator().manual_seed(0)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(20000, 1)
+
+    def freq(**kw):
+        draws = sampler._torch_sampling_func(logits, kw.get("t", 1.0), kw.get("k", 0), kw.get("p", 0.0))
+        return torch.bincount(draws, minlength=4).float() / len(draws)
+
+    assert freq().tolist() == pytest.approx([0.5, 0.3, 0.15, 0.05], abs=0.015)
+    assert freq(k=2).tolist() == pytest.approx([0.625, 0.375, 0, 0], abs=0.015)
+    assert freq(p=0.7).tolist() == pytest.approx([0.625, 0.375, 0, 0], abs=0.015)  # 0.5 < 0.7 <= 0.8
+    assert freq(p=0.9).tolist() == pytest.approx([0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0], abs=0.015)
+    sharp = torch.softmax(torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05])) / 0.5, 0)
+    assert freq(t=0.5).tolist() == pytest.approx(sharp.tolist(), abs=0.015)
+    assert freq(k=1).tolist() == [1.0, 0, 0, 0]
+
+
+def test_stop_strings_and_truncation(one_process, tmp_path):
+    from megatron_rl.config import Config
+    from megatron_rl.data.tokenizer import build_char_tokenizer
+    from megatron_rl.rollout.engine import RolloutEngine
+    from megatron_rl.training.setup import build_model
+
+    tok = build_char_tokenizer("0123456789+=", tmp_path / "tok")
+    cfg = Config()
+    cfg.model.vocab_size = len(tok)
+    cfg.model.init_method_std = 0.5  # a random model that samples widely
+    cfg.rollout.max_new_tokens = 8
+    cfg.rollout.stop = ["7"]
+    chunks, _ = build_model(cfg, wrap_ddp=False)
+    engine = RolloutEngine(chunks, cfg.model, tok, cfg.rollout, torch.float32)
+    out = engine.generate([[tok.bos_token_id, 3, 4]], n=40, seed=3)
+    texts = [tok.decode(c) for c in out.completions]
+    stopped = [t for t in texts if "7" in t]
+    assert stopped and all(t.index("7") == len(t) - 1 for t in stopped)  # generation ends at the stop string
+    for completion, truncated in zip(out.completions, out.truncated):
+        ended = completion[-1] == tok.eos_token_id or tok.decode(completion).endswith("7")
+        assert truncated == (len(completion) == 8 and not ended)
+    assert any(out.truncated)
+
+
+def test_kl_to_the_reference_policy(sft_checkpoint, tmp_path):
+    """With kl_coef > 0 a frozen copy of the initial policy is the reference: the KL is 0 before the
+    first update and positive once the policy has moved (second epoch)."""
+    run_train(["--recipe", "tiny_grpo", *QUICK, "train.max_steps=1", "algorithm.kl_coef=0.1", "algorithm.epochs=2",
+               f"checkpoint.load={sft_checkpoint}", f"logging.run_dir={tmp_path}"])
+    kl = column(tmp_path, "train/kl")[-1]
+    assert 0 < kl < 1

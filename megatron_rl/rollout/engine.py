@@ -173,11 +173,16 @@ class RolloutEngine:
         finally:
             for chunk in self.chunks:
                 chunk.train()
-        eos = self.tokenizer.eos_token_id
         samples = [done[i] for i in order]
         completions = [list(r.generated_tokens) for r in samples]
         return Rollout(
             prompts=[r.prompt_tokens.tolist() for r in samples],
             completions=completions,
             logprobs=[[float(x) for x in (r.generated_log_probs or [])] for r in samples],
-            truncated=[len(c) >= self.cfg.max_new_tokens and (not c or c[-1] != eos) for c in completions])
+            truncated=[len(c) >= self.cfg.max_new_tokens and not self._ended(c) for c in completions])
+
+    def _ended(self, completion: list[int]) -> bool:
+        """Whether generation stopped by itself: eos, or a stop string at the end."""
+        if completion and completion[-1] == self.termination_id:
+            return True
+        return bool(self.cfg.stop) and self.tokenizer.decode(completion).endswith(tuple(self.cfg.stop))
