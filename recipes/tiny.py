@@ -42,8 +42,8 @@ def tiny_grpo() -> Config:
                         num_val=512, noise=0.45),
         algorithm=AlgorithmConfig(name="grpo", prompts_per_step=32, minibatches=1, clip_low=0.2, clip_high=0.2),
         rollout=RolloutConfig(n=8, temperature=1.0, max_new_tokens=5, max_sequence_length=32, max_requests=512),
-        optimizer=OptimizerConfig(lr=1e-4, min_lr=1e-4, beta2=0.999, clip_grad=1.0),
-        scheduler=SchedulerConfig(warmup_steps=0, decay="constant"),
+        optimizer=OptimizerConfig(lr=1e-4, min_lr=1e-5, beta2=0.999, clip_grad=1.0),
+        scheduler=SchedulerConfig(warmup_steps=0, decay="cosine"),
         train=TrainConfig(max_steps=100, eval_every=20),
         checkpoint=CheckpointConfig(load="runs/tiny_sft"),
     )
