@@ -92,9 +92,8 @@ def evaluate(engine, runner, tokenizer, prompts, metadata) -> dict:
     mine = list(range(rank, len(prompts), size))
     rollout = engine.generate([prompts[i] for i in mine], n=1, greedy=True)
     rewards, _ = score(runner, tokenizer, [prompts[i] for i in mine], rollout, [metadata[i] for i in mine], 1)
-    m = global_mean({"val/reward_mean": rewards.sum().item(), "val/accuracy": (rewards >= 1).sum().item()},
-                    len(mine))
-    return m
+    return global_mean({"val/reward_mean": rewards.sum().item(), "val/accuracy": (rewards >= 1).sum().item()},
+                       len(mine))
 
 
 def run(cfg: Config, run_dir: Path) -> dict:

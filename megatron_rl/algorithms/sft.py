@@ -17,10 +17,10 @@ from megatron_rl import checkpointing
 from megatron_rl.config import Config
 from megatron_rl.data import sft as sft_data
 from megatron_rl.data.tasks import data_files
+from megatron_rl.hf import export_hf
 from megatron_rl.logging import RunLogger
 from megatron_rl.profiling import Profiler
 from megatron_rl.training.logprobs import argmax_equals, mask_padded_vocab, token_logprobs
-from megatron_rl.hf import export_hf
 from megatron_rl.training.setup import build_trainee, load_initial_state, write_run_assets
 from megatron_rl.training.step import forward_backward, optimizer_step, reduce_reports, zero_grads
 
