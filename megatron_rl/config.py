@@ -291,6 +291,30 @@ class AlgorithmConfig:
     """GRPO advantage baseline: the group mean, or leave-one-out (the mean of the other samples)."""
     std_normalization: Literal["group", "batch", "none"] = "group"
     """GRPO: divide advantages by the group's reward std, the whole batch's, or not at all."""
+    advantage_estimator: Literal["grpo", "gdpo"] = "grpo"
+    """gdpo: each named reward component normalized within its group, weighted (rewards.weights),
+    summed, then normalized over the batch (needs a reward function returning components)."""
+    policy_loss: Literal["ppo", "cispo"] = "ppo"
+    """ppo: the clipped surrogate. cispo: the clipped importance weight as a stop-gradient
+    coefficient on the log-probability (MiniMax-M1), so clipped tokens still learn."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """sequence: one importance ratio per sequence, the geometric mean of its token ratios (GSPO);
+    clip_low/clip_high then clip that ratio (GSPO uses about 3e-4 / 4e-4)."""
+    dual_clip: float = 0.0
+    """PPO dual clip: for negative advantages the objective is bounded below by dual_clip x A
+    (> 1, e.g. 3); 0 turns it off."""
+    loss_aggregation: Literal["token", "sequence", "constant"] = "token"
+    """token: mean over all tokens of the global batch (DAPO). sequence: mean over each sequence's
+    tokens, then over sequences (GRPO). constant: token sum / (sequences x rollout.max_new_tokens)
+    (Dr. GRPO, with std_normalization=none)."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and sample more prompts until the batch is full."""
+    dynamic_sampling_rounds: int = 4
+    """Extra sampling rounds at most per step; a batch still short is filled with dropped groups."""
+    mismatch_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
+    """Weight each token's loss by p_train / p_rollout of the sampled tokens (per token or per
+    sequence), truncated at mismatch_threshold or masked outside [1/threshold, threshold]."""
+    mismatch_threshold: float = 2.0
 
 
 @dataclass(kw_only=True)
@@ -335,6 +359,12 @@ class RewardsConfig:
     """A sample whose scoring takes longer gets reward 0 (counted in rollout/reward_failures)."""
     workers: int = 1
     """Worker processes that score samples."""
+    weights: dict[str, float] = field(default_factory=dict)
+    """Weights of named reward components (name:weight,... on the command line); unnamed ones weigh 1."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong penalty: completions longer than rollout.max_new_tokens minus this many
+    tokens lose up to overlong_penalty, linearly; 0 turns it off."""
+    overlong_penalty: float = 1.0
 
 
 @dataclass(kw_only=True)
@@ -427,6 +457,26 @@ class Config:
                               f"{self.data.seq_length} (the training length of prompt + completion).")
         if self.parallel.vpp > 1:
             raise ConfigError("GRPO needs parallel.vpp=1: megatron-core's inference does not run interleaved pipelines.")
+        if a.policy_loss == "cispo" and a.ratio_level == "sequence":
+            raise ConfigError("algorithm.policy_loss=cispo weights each token's log-probability by its own ratio; it "
+                              "has no sequence-level ratio: set algorithm.ratio_level=token (or policy_loss=ppo for GSPO).")
+        if a.dual_clip and (a.policy_loss == "cispo" or a.dual_clip <= 1):
+            raise ConfigError(f"algorithm.dual_clip={a.dual_clip} must be > 1 and needs algorithm.policy_loss=ppo; "
+                              f"set it to 0 to turn it off.")
+        if a.ratio_level == "sequence" and a.loss_aggregation != "sequence":
+            raise ConfigError("algorithm.ratio_level=sequence (GSPO) gives one loss per sequence: set "
+                              "algorithm.loss_aggregation=sequence.")
+        if a.ratio_level == "sequence" and a.mismatch_correction.startswith("token"):
+            raise ConfigError("a sequence-level ratio (GSPO) needs a sequence-level mismatch correction: use "
+                              "algorithm.mismatch_correction=sequence_truncate or sequence_mask.")
+        if a.advantage_estimator == "gdpo" and a.baseline != "mean":
+            raise ConfigError("algorithm.advantage_estimator=gdpo normalizes each component by its group mean and std; "
+                              "set algorithm.baseline=mean.")
+        if a.mismatch_threshold <= 1:
+            raise ConfigError(f"algorithm.mismatch_threshold={a.mismatch_threshold} must be > 1.")
+        if not 0 <= self.rewards.overlong_buffer < r.max_new_tokens:
+            raise ConfigError(f"rewards.overlong_buffer={self.rewards.overlong_buffer} must be in [0, "
+                              f"rollout.max_new_tokens={r.max_new_tokens}).")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -470,6 +520,15 @@ def _parse_value(text: str, annotation, key: str):
         hint, origin = args[0], typing.get_origin(args[0])
     if origin is list:
         return [item.strip() for item in text.split(",") if item.strip()]
+    if origin is dict:  # name:number,name:number
+        out = {}
+        for item in filter(None, (i.strip() for i in text.split(","))):
+            name, _, value = item.partition(":")
+            try:
+                out[name.strip()] = float(value)
+            except ValueError:
+                raise ConfigError(f"{key}={text!r}: write name:number pairs separated by commas.") from None
+        return out
     if origin is Literal:
         choices = typing.get_args(hint)
         if text not in choices:

@@ -49,17 +49,131 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
     raise ValueError(f"unknown KL estimator {estimator!r}; use 'k1', 'k2' or 'k3'")
 
 
+def _per_token(advantages: torch.Tensor) -> torch.Tensor:
+    return advantages[:, None] if advantages.dim() == 1 else advantages
+
+
 def clipped_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                        clip_low: float = 0.2, clip_high: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
+                        clip_low: float = 0.2, clip_high: float = 0.2,
+                        dual_clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate, per token, to minimize: -min(r A, clip(r, 1-lo, 1+hi) A).
 
-    logp, old_logp: (N, T); advantages: (N,) or (N, T). Returns (loss (N, T), clipped (N, T) bool).
+    Clip-higher (DAPO): clip_high > clip_low. Dual clip (Ye et al. 2020): for A < 0 the objective
+    is also bounded below by dual_clip * A (dual_clip > 1; 0 turns it off).
+    logp, old_logp: (N, T); advantages: (N,) or (N, T). Returns (loss (N, T), clipped (N, T) bool):
+    clipped marks tokens whose gradient a clip removed.
     """
-    adv = advantages[:, None] if advantages.dim() == 1 else advantages
+    adv = _per_token(advantages)
     ratio = (logp - old_logp).exp()
     unclipped = ratio * adv
-    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * adv
-    return -torch.minimum(unclipped, clipped), clipped < unclipped
+    clipped_term = ratio.clamp(1 - clip_low, 1 + clip_high) * adv
+    objective = torch.minimum(unclipped, clipped_term)
+    clipped = clipped_term < unclipped
+    if dual_clip:
+        floor = dual_clip * adv
+        dual = (adv < 0) & (objective < floor)
+        objective = torch.where(dual, floor, objective)
+        clipped = clipped | dual
+    return -objective, clipped
+
+
+def gspo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                     clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO (Zheng et al. 2025): one importance ratio per sequence, the geometric mean of its token
+    ratios s = exp(mean_t(logp - old_logp)), clipped to [1-lo, 1+hi]; per sequence -min(s A, clip(s) A).
+
+    advantages: (N,). Returned per token (N, T): every valid token carries its sequence's loss, so
+    'sequence' aggregation (the mean over a sequence's tokens, then over sequences) gives GSPO's
+    mean over sequences. A fully masked sequence contributes 0.
+    """
+    lengths = mask.sum(dim=1).clamp(min=1)  # (N,)
+    s = (((logp - old_logp) * mask).sum(dim=1) / lengths).exp()  # (N,)
+    unclipped = s * advantages
+    clipped_term = s.clamp(1 - clip_low, 1 + clip_high) * advantages
+    seq_loss = -torch.minimum(unclipped, clipped_term)  # (N,)
+    clipped = (clipped_term < unclipped)[:, None].expand_as(mask)
+    return seq_loss[:, None] * mask, clipped
+
+
+def cispo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                      clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1, 2025): the clipped importance weight is a stop-gradient coefficient on the
+    log-probability, so every token keeps a gradient: per token -sg(clip(r, 1-lo, 1+hi)) A log p."""
+    ratio = (logp - old_logp).exp()
+    weight = ratio.clamp(1 - clip_low, 1 + clip_high).detach()
+    clipped = (ratio < 1 - clip_low) | (ratio > 1 + clip_high)
+    return -weight * _per_token(advantages) * logp, clipped
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, max_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(numerator, denominator) of a batch loss; the loss of a batch is numerator / denominator, and
+    both add up over microbatches and data-parallel ranks (megatron divides by the global sum).
+
+    'token' (DAPO): mean over all valid tokens of the batch. 'sequence' (GRPO): mean over tokens of
+    each sequence, then over sequences. 'constant' (Dr. GRPO): token sum / (sequences x max_len).
+    """
+    match mode:
+        case "token":
+            return masked_sum(loss, mask), mask.sum()
+        case "sequence":
+            per_seq = masked_sum_rows(loss, mask) / mask.sum(dim=1).clamp(min=1)
+            return per_seq.sum(), (mask.sum(dim=1) > 0).sum().to(mask.dtype)
+        case "constant":
+            if max_len <= 0:
+                raise ValueError("'constant' aggregation needs the maximum response length")
+            return masked_sum(loss, mask) / max_len, (mask.sum(dim=1) > 0).sum().to(mask.dtype)
+    raise ValueError(f"unknown loss aggregation {mode!r}; use 'token', 'sequence' or 'constant'")
+
+
+def masked_sum_rows(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values * mask).sum(dim=1)
+
+
+def mismatch_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, mode: str,
+                     threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Importance weights w = p_train / p_rollout of the sampled tokens, correcting for the rollout
+    engine's distribution differing from the training forward's (Yao et al. 2025).
+
+    mode: 'token_truncate' (w_t capped at threshold), 'token_mask' (tokens with w_t outside
+    [1/threshold, threshold] get weight 0), 'sequence_truncate' / 'sequence_mask' (the same with
+    the sequence weight prod_t w_t, for every token of the sequence). Returns (weights (N, T),
+    masked (N, T) bool). The weights carry no gradient.
+    """
+    log_w = ((old_logp - rollout_logp) * mask).detach()
+    kind, _, action = mode.partition("_")
+    if kind == "sequence":
+        log_w = log_w.sum(dim=1, keepdim=True).expand_as(mask)
+    elif kind != "token" or action not in ("truncate", "mask"):
+        raise ValueError(f"unknown mismatch correction {mode!r}; use token_ or sequence_ with truncate or mask")
+    w = log_w.exp()
+    if action == "truncate":
+        return w.clamp(max=threshold) * mask, torch.zeros_like(mask, dtype=torch.bool)
+    outside = ((w > threshold) | (w < 1 / threshold)) & (mask > 0)
+    return torch.where(outside, 0.0, w) * mask, outside
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, penalty: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment, added to the reward: 0 up to max_len - buffer, then falling
+    linearly to -penalty at max_len (and -penalty beyond)."""
+    start = max_len - buffer
+    return -penalty * ((lengths.float() - start) / buffer).clamp(min=0.0, max=1.0)
+
+
+def gdpo_advantages(components: torch.Tensor, weights: torch.Tensor, group_size: int,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """GDPO: each reward component (N, K) normalized within its group (mean 0, std 1), then the
+    weighted sum over components, then normalized over the whole batch."""
+    k = components.shape[1]
+    c = components.double().reshape(-1, group_size, k)  # (groups, G, K)
+    normed = (c - c.mean(dim=1, keepdim=True)) / (c.std(dim=1, keepdim=True) + eps)
+    total = (normed * weights.double()).sum(dim=-1).reshape(-1)  # (N,)
+    return ((total - total.mean()) / (total.std() + eps)).to(components.dtype)
+
+
+def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """DAPO's dynamic sampling filter: (groups,) True where the group's rewards are not all equal."""
+    r = rewards.reshape(-1, group_size)
+    return (r != r[:, :1]).any(dim=1)
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

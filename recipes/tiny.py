@@ -47,3 +47,52 @@ def tiny_grpo() -> Config:
         train=TrainConfig(max_steps=100, eval_every=20),
         checkpoint=CheckpointConfig(load="runs/tiny_sft"),
     )
+
+
+def _tiny_variant(**algorithm) -> Config:
+    """tiny_grpo with some algorithm fields changed."""
+    cfg = tiny_grpo()
+    for name, value in algorithm.items():
+        setattr(cfg.algorithm, name, value)
+    return cfg
+
+
+@register
+def tiny_dapo() -> Config:
+    """DAPO on the tiny task: clip-higher, token-level loss, dynamic sampling, overlong penalty."""
+    cfg = _tiny_variant(clip_low=0.2, clip_high=0.28, loss_aggregation="token", dynamic_sampling=True)
+    cfg.rewards.overlong_buffer = 2
+    return cfg
+
+
+@register
+def tiny_gspo() -> Config:
+    """GSPO on the tiny task: sequence-level importance ratios with GSPO's narrow clip range."""
+    return _tiny_variant(ratio_level="sequence", loss_aggregation="sequence", clip_low=3e-4, clip_high=4e-4)
+
+
+@register
+def tiny_drgrpo() -> Config:
+    """Dr. GRPO on the tiny task: no std scaling, loss normalized by a constant (max length)."""
+    return _tiny_variant(std_normalization="none", loss_aggregation="constant")
+
+
+@register
+def tiny_cispo() -> Config:
+    """CISPO on the tiny task: clipped importance weights as stop-gradient coefficients."""
+    return _tiny_variant(policy_loss="cispo", clip_low=1.0, clip_high=0.28)
+
+
+@register
+def tiny_gdpo() -> Config:
+    """GDPO on the tiny task: 'correct' and 'digits' rewards normalized per group, then weighted."""
+    cfg = _tiny_variant(advantage_estimator="gdpo")
+    cfg.rewards.fn = "exact_match_parts"
+    cfg.rewards.weights = {"correct": 1.0, "digits": 0.2}
+    return cfg
+
+
+@register
+def tiny_grpo_is() -> Config:
+    """GRPO with rollout/train mismatch correction: truncated per-token importance weights."""
+    return _tiny_variant(mismatch_correction="token_truncate", mismatch_threshold=2.0)

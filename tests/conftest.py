@@ -12,3 +12,14 @@ def one_process():
     platform.init_model_parallel()
     yield
     platform.shutdown()
+
+
+@pytest.fixture(scope="session")
+def sft_run(tmp_path_factory):
+    """The tiny_sft recipe trained in full (about a minute): GRPO tests start from it."""
+    from tests.helpers import run_train
+
+    run = tmp_path_factory.mktemp("tiny_sft")
+    run_train(["--recipe", "tiny_sft", "train.eval_every=0", "logging.progress=false", "logging.tensorboard=false",
+               f"logging.run_dir={run}"])
+    return run

@@ -17,12 +17,8 @@ QUICK = ["train.eval_every=0", "logging.progress=false", "logging.tensorboard=fa
 
 
 @pytest.fixture(scope="module")
-def sft_checkpoint(tmp_path_factory):
-    """A briefly trained tiny_sft model: GRPO starts from it."""
-    run = tmp_path_factory.mktemp("sft")
-    run_train(["--recipe", "tiny_sft", "train.max_steps=60", "train.eval_every=0", "data.num_train=4000",
-               "logging.progress=false", "logging.tensorboard=false", f"logging.run_dir={run}"])
-    return checkpoint_dir(run, 60)
+def sft_checkpoint(sft_run):
+    return checkpoint_dir(sft_run, 800)
 
 
 @pytest.fixture(scope="module")

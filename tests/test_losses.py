@@ -65,3 +65,102 @@ def test_loss_sums_over_microbatches_equal_the_full_batch():
     full = losses.masked_sum(per_token, mask) / mask.sum()
     parts = sum(losses.masked_sum(per_token[i:i + 2], mask[i:i + 2]) for i in range(0, 8, 2)) / mask.sum()
     assert parts.item() == pytest.approx(full.item(), rel=1e-6)
+
+
+# --- the GRPO family ------------------------------------------------------------------------------
+
+
+def test_clip_higher_and_dual_clip_by_hand():
+    old = torch.zeros(1, 1)
+    # clip-higher: A > 0 capped at 1 + 0.28, not 1.2
+    loss, clipped = losses.clipped_policy_loss(torch.tensor([[math.log(1.5)]]), old, torch.tensor([1.0]), 0.2, 0.28)
+    assert loss.item() == pytest.approx(-1.28) and clipped.item()
+    # dual clip, A < 0, r = 4: PPO's objective min(-4, -1.2) = -4 is floored at c A = -3
+    logp = torch.tensor([[math.log(4.0)]], requires_grad=True)
+    loss, clipped = losses.clipped_policy_loss(logp, old, torch.tensor([-1.0]), 0.2, 0.2, dual_clip=3.0)
+    assert loss.item() == pytest.approx(3.0) and clipped.item()
+    loss.sum().backward()
+    assert logp.grad.item() == 0.0
+    # below the dual-clip bound nothing changes: r = 2 gives -2 > -3
+    loss, clipped = losses.clipped_policy_loss(torch.tensor([[math.log(2.0)]]), old, torch.tensor([-1.0]), 0.2, 0.2, 3.0)
+    assert loss.item() == pytest.approx(2.0) and not clipped.item()
+
+
+def test_gspo_sequence_ratio_by_hand():
+    old = torch.zeros(3, 3)
+    logp = torch.tensor([[0.1, -0.3, 9.0], [0.5, 0.5, 0.0], [0.0, 0.0, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])  # third: fully masked
+    adv = torch.tensor([1.0, 1.0, 1.0])
+    per_token, clipped = losses.gspo_policy_loss(logp, old, adv, mask, 0.2, 0.2)
+    seq = (per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # each sequence's loss
+    s0 = math.exp((0.1 - 0.3) / 2)  # geometric mean of the token ratios; the masked 9.0 is ignored
+    assert seq[0].item() == pytest.approx(-s0)
+    assert seq[1].item() == pytest.approx(-1.2)  # s = e^0.5 = 1.65 clipped to 1.2
+    assert seq[2].item() == 0.0 and not torch.isnan(per_token).any()
+    assert clipped[1].all() and not clipped[0].any()
+    num, den = losses.aggregate(per_token, mask, "sequence")
+    assert (num / den).item() == pytest.approx((-s0 - 1.2) / 2)  # GSPO: the mean over sequences
+    seq.sum().backward()
+    # d(-s A)/d logp_t = -s A / |y| through the mean; zero where clipped
+    assert logp.grad[0, :2].tolist() == pytest.approx([-s0 / 2, -s0 / 2])
+    assert logp.grad[1].abs().sum().item() == 0.0
+
+
+def test_cispo_keeps_gradient_of_clipped_tokens():
+    logp = torch.tensor([[math.log(1.5), math.log(0.9)]], requires_grad=True)
+    loss, clipped = losses.cispo_policy_loss(logp, torch.zeros(1, 2), torch.tensor([2.0]), 1.0, 0.2)
+    # -sg(clip(r)) A log p: weights 1.2 (clipped from 1.5) and 0.9
+    assert loss[0].tolist() == pytest.approx([-1.2 * 2 * math.log(1.5), -0.9 * 2 * math.log(0.9)])
+    assert clipped[0].tolist() == [True, False]
+    loss.sum().backward()
+    assert logp.grad[0].tolist() == pytest.approx([-2.4, -1.8])  # the clipped token still learns
+
+
+def test_loss_aggregations_by_hand():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [5.0, 5.0, 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    num, den = losses.aggregate(loss, mask, "token")
+    assert (num / den).item() == pytest.approx((1 + 2 + 3 + 4) / 4)
+    num, den = losses.aggregate(loss, mask, "sequence")  # the empty sequence does not count
+    assert (num / den).item() == pytest.approx((2.0 + 4.0) / 2)
+    num, den = losses.aggregate(loss, mask, "constant", max_len=5)
+    assert (num / den).item() == pytest.approx(10 / (2 * 5))
+    # numerators and denominators add up over microbatches
+    parts = [losses.aggregate(loss[i:i + 1], mask[i:i + 1], "sequence") for i in range(3)]
+    assert (sum(p[0] for p in parts) / sum(p[1] for p in parts)).item() == pytest.approx(3.0)
+
+
+def test_mismatch_weights_by_hand():
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.125]]))
+    rollout = torch.log(torch.tensor([[0.25, 0.5, 0.5]]))  # token weights p_train / p_rollout: 2, 1, 0.25
+    mask = torch.tensor([[1.0, 1.0, 1.0]])
+    w, masked = losses.mismatch_weights(old, rollout, mask, "token_truncate", 1.5)
+    assert w[0].tolist() == pytest.approx([1.5, 1.0, 0.25]) and not masked.any()
+    w, masked = losses.mismatch_weights(old, rollout, mask, "token_mask", 3.0)
+    assert w[0].tolist() == pytest.approx([2.0, 1.0, 0.0]) and masked[0].tolist() == [False, False, True]
+    w, masked = losses.mismatch_weights(old, rollout, mask, "sequence_truncate", 10.0)
+    assert w[0].tolist() == pytest.approx([0.5, 0.5, 0.5])  # 2 x 1 x 0.25
+    w, masked = losses.mismatch_weights(old, rollout, mask, "sequence_mask", 1.5)
+    assert w.sum().item() == 0.0 and masked.all()
+
+
+def test_overlong_penalty_by_hand():
+    pen = losses.overlong_penalty(torch.tensor([5, 6, 8, 10, 12]), max_len=10, buffer=4, penalty=1.0)
+    assert pen.tolist() == pytest.approx([0.0, 0.0, -0.5, -1.0, -1.0])
+
+
+def test_gdpo_normalizes_each_component_in_its_group():
+    # two groups of 2; components: correctness (0/1) and a small format score
+    comps = torch.tensor([[1.0, 0.2], [0.0, 0.1], [1.0, 0.5], [1.0, 0.1]])
+    adv = losses.gdpo_advantages(comps, torch.tensor([1.0, 0.5]), group_size=2, eps=0.0 + 1e-12)
+    s = math.sqrt(0.5)  # std of any two distinct values x, y is |x - y| / sqrt(2)
+    g1 = [0.5 / s + 0.5 * (0.05 / (0.1 * s)), -0.5 / s - 0.5 * (0.05 / (0.1 * s))]
+    g2 = [0.0 + 0.5 * (0.2 / (0.4 * s)), 0.0 - 0.5 * (0.2 / (0.4 * s))]  # equal correctness: 0, no NaN
+    total = torch.tensor(g1 + g2, dtype=torch.float64)
+    expected = (total - total.mean()) / total.std()
+    assert adv.tolist() == pytest.approx(expected.tolist(), abs=1e-6)
+
+
+def test_informative_groups():
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
+    assert losses.informative_groups(rewards, 2).tolist() == [False, True, False]

@@ -1,15 +1,20 @@
-"""GRPO: group-relative policy optimization with rollouts from megatron-core's inference engine.
+"""GRPO and its family: group-relative policy optimization with rollouts from megatron-core's
+inference engine on the training model.
 
-Per step: take prompts (this DP rank's share), roll out rollout.n completions each on the training
-model, score them, turn rewards into group advantages, recompute the sampled tokens' logprobs with
-the training forward (the old policy; also the reference's when algorithm.kl_coef > 0), then
-algorithm.epochs x algorithm.minibatches optimizer steps on the clipped policy-gradient loss.
-The loss is a token-level mean over the global batch: megatron divides by the global token count.
+Per step: take prompts (this DP rank's share), roll out rollout.n completions each, score them
+(optionally resampling prompts whose groups all scored the same: DAPO's dynamic sampling), turn
+rewards into group advantages (GRPO or GDPO), recompute the sampled tokens' logprobs with the
+training forward (the old policy; also the reference's when algorithm.kl_coef > 0), then
+algorithm.epochs x algorithm.minibatches optimizer steps on the policy loss: PPO's clipped
+surrogate per token (clip-higher, dual clip) or per sequence (GSPO), or CISPO; optionally weighted
+by p_train / p_rollout (mismatch correction). Its aggregation (token, sequence, constant) is a
+numerator and a denominator summed over the global batch, which megatron divides.
 
-Left out here (see the issues): DAPO/GSPO/... variants, dynamic sampling, value models.
+Left out here: value models (PPO with a critic), multi-turn environments.
 """
 
 import time
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -17,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl import checkpointing, losses
-from megatron_rl.config import Config
+from megatron_rl.config import Config, ConfigError
 from megatron_rl.data import rl as rl_data
 from megatron_rl.data.sft import Batches, microbatches, read_jsonl
 from megatron_rl.data.tasks import data_files
@@ -25,28 +30,47 @@ from megatron_rl.hf import export_hf
 from megatron_rl.logging import RunLogger, plot_metrics
 from megatron_rl.profiling import Profiler
 from megatron_rl.rewards import RewardRunner
-from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.rollout.engine import Rollout, RolloutEngine
 from megatron_rl.training.logprobs import entropy, mask_padded_vocab, token_logprobs
 from megatron_rl.training.setup import build_model, build_trainee, compute_dtype, load_initial_state, write_run_assets
 from megatron_rl.training.step import forward_backward, optimizer_step, reduce_reports, zero_grads
 
 
+def policy_loss(a, logp: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token policy loss (B, S) and which tokens a clip affected, for the configured variant."""
+    old, adv, mask = batch["old_logp"], batch["advantages"], batch["loss_mask"]
+    match a.policy_loss, a.ratio_level:
+        case "ppo", "token":
+            return losses.clipped_policy_loss(logp, old, adv, a.clip_low, a.clip_high, a.dual_clip)
+        case "ppo", "sequence":
+            return losses.gspo_policy_loss(logp, old, adv, mask, a.clip_low, a.clip_high)
+        case "cispo", "token":
+            return losses.cispo_policy_loss(logp, old, adv, a.clip_low, a.clip_high)
+    raise ValueError(f"no policy loss for algorithm.policy_loss={a.policy_loss} with ratio_level={a.ratio_level}")
+
+
 def grpo_loss(cfg: Config, batch: dict, logits: torch.Tensor):
-    """(sum of per-token losses, token count, report) for one microbatch."""
+    """(loss numerator, denominator, report) for one microbatch; megatron divides the summed
+    numerators' gradients by the global sum of denominators."""
     a = cfg.algorithm
     logits = mask_padded_vocab(logits, cfg.model.vocab_size)  # (B, S, V/tp)
     mask = batch["loss_mask"]
     entropy_sum = losses.masked_sum(entropy(logits), mask)  # before token_logprobs overwrites the logits
     logp = token_logprobs(logits, batch["labels"])  # (B, S)
-    loss, clipped = losses.clipped_policy_loss(logp, batch["old_logp"], batch["advantages"], a.clip_low, a.clip_high)
+    loss, clipped = policy_loss(a, logp, batch)
     report = {"clipped": losses.masked_sum(clipped.float(), mask).detach()}
     if a.kl_coef:
         kl = losses.kl_penalty(logp, batch["ref_logp"], a.kl_estimator)
         loss = loss + a.kl_coef * kl
         report["kl_sum"] = losses.masked_sum(kl, mask).detach()
-    loss_sum, tokens = losses.masked_sum(loss, mask), mask.sum()
-    report.update(loss_sum=loss_sum.detach(), tokens=tokens, entropy_sum=entropy_sum)
-    return loss_sum, tokens.int(), report
+    if a.mismatch_correction != "none":
+        weights, masked = losses.mismatch_weights(batch["old_logp"], batch["rollout_logp"], mask,
+                                                  a.mismatch_correction, a.mismatch_threshold)
+        loss = loss * weights
+        report["mismatch_masked"] = losses.masked_sum(masked.float(), mask)
+    num, den = losses.aggregate(loss, mask, a.loss_aggregation, cfg.rollout.max_new_tokens)
+    report.update(loss_num=num.detach(), loss_den=den, tokens=mask.sum(), entropy_sum=entropy_sum)
+    return num, den.int(), report
 
 
 def logprobs_of(model_chunks: list, batch: dict, micro_batch_size: int, vocab_size: int) -> torch.Tensor:
@@ -66,13 +90,94 @@ def logprobs_of(model_chunks: list, batch: dict, micro_batch_size: int, vocab_si
     return out
 
 
-def score(runner, tokenizer, prompts, rollout, metadata, n) -> tuple[torch.Tensor, object]:
-    """Rewards (N,) of a rollout; sample i*n + j answers prompt i."""
+@dataclass
+class Scored:
+    """A rollout with its rewards, sample i*n + j answering prompt i (one group per prompt)."""
+
+    prompts: list[list[int]]  # per prompt
+    metadata: list[dict]  # per prompt
+    rollout: Rollout
+    rewards: torch.Tensor  # (N,) what advantages are computed from (shaping included)
+    raw: torch.Tensor  # (N,) the reward function's output (accuracy is measured on it)
+    components: dict[str, torch.Tensor]  # named reward components, (N,) each
+    failures: int = 0
+    errors: list = field(default_factory=list)
+
+    def select(self, groups: list[int], n: int) -> "Scored":
+        rows = [g * n + j for g in groups for j in range(n)]
+        r = self.rollout
+        return Scored([self.prompts[g] for g in groups], [self.metadata[g] for g in groups],
+                      Rollout(*([getattr(r, f)[i] for i in rows] for f in ("prompts", "completions", "logprobs",
+                                                                              "truncated"))),
+                      self.rewards[rows], self.raw[rows], {k: v[rows] for k, v in self.components.items()},
+                      self.failures, self.errors)
+
+    @staticmethod
+    def cat(parts: list["Scored"]) -> "Scored":
+        if len(parts) == 1:
+            return parts[0]
+        r = [p.rollout for p in parts]
+        return Scored(sum((p.prompts for p in parts), []), sum((p.metadata for p in parts), []),
+                      Rollout(*(sum((getattr(x, f) for x in r), []) for f in ("prompts", "completions", "logprobs",
+                                                                               "truncated"))),
+                      torch.cat([p.rewards for p in parts]), torch.cat([p.raw for p in parts]),
+                      {k: torch.cat([p.components[k] for p in parts]) for k in parts[0].components},
+                      sum(p.failures for p in parts), sum((p.errors for p in parts), []))
+
+
+def score(cfg: Config, runner, tokenizer, prompts, metadata, rollout) -> Scored:
+    """Score a rollout; with rewards.overlong_buffer, DAPO's overlong penalty is added to the reward."""
+    n = len(rollout.completions) // max(len(prompts), 1)
     texts = [tokenizer.decode(p, skip_special_tokens=True) for p in prompts]
     completions = [tokenizer.decode(c, skip_special_tokens=True) for c in rollout.completions]
     scores = runner.score([texts[i // n] for i in range(len(completions))], completions,
                           [metadata[i // n] for i in range(len(completions))])
-    return torch.tensor(scores.rewards, dtype=torch.float), scores
+    raw = torch.tensor(scores.rewards, dtype=torch.float)
+    components = {k: torch.tensor(v, dtype=torch.float) for k, v in scores.components.items()}
+    rewards = raw
+    if cfg.rewards.overlong_buffer:
+        penalty = losses.overlong_penalty(torch.tensor(rollout.lengths), cfg.rollout.max_new_tokens,
+                                          cfg.rewards.overlong_buffer, cfg.rewards.overlong_penalty)
+        rewards = raw + penalty
+        if components:
+            components["overlong"] = penalty
+    return Scored(prompts, metadata, rollout, rewards, raw, components, scores.failures, scores.errors)
+
+
+def sample(cfg: Config, step: int, engine, runner, tokenizer, next_prompts, seed_offset: int) -> tuple[Scored, dict]:
+    """Roll out and score this rank's prompts. With dynamic sampling (DAPO), groups whose rewards
+    are all equal carry no signal: fresh prompts are sampled, up to algorithm.dynamic_sampling_rounds
+    extra rounds, until as many informative groups as prompts per step are found (a batch still
+    short is filled with uninformative groups, whose advantages are 0)."""
+    a, r = cfg.algorithm, cfg.rollout
+    parts, rounds = [], 0
+    while True:
+        prompts, metadata = next_prompts()
+        rollout = engine.generate(prompts, n=r.n, seed=r.seed + step * 7919 + seed_offset + 104729 * rounds)
+        parts.append(score(cfg, runner, tokenizer, prompts, metadata, rollout))
+        if not a.dynamic_sampling:
+            return parts[0], {}
+        want = len(parts[0].prompts)
+        informative = torch.cat([losses.informative_groups(p.raw, r.n) for p in parts])
+        if int(informative.sum()) >= want or rounds == a.dynamic_sampling_rounds:
+            break
+        rounds += 1
+    scored = Scored.cat(parts)
+    order = informative.nonzero().flatten().tolist() + (~informative).nonzero().flatten().tolist()
+    stats = {"rollout/dynamic_sampling_rounds": float(rounds), "rollout/dropped_groups": float((~informative).sum())}
+    return scored.select(sorted(order[:want]), r.n), stats
+
+
+def advantages_of(cfg: Config, scored: Scored) -> torch.Tensor:
+    a, n = cfg.algorithm, cfg.rollout.n
+    if a.advantage_estimator == "gdpo":
+        if not scored.components:
+            raise ConfigError(f"algorithm.advantage_estimator=gdpo needs named reward components, but rewards.fn="
+                              f"{cfg.rewards.fn!r} returns a single number; use a function returning a dict.")
+        names = sorted(scored.components)
+        weights = torch.tensor([cfg.rewards.weights.get(k, 1.0) for k in names])
+        return losses.gdpo_advantages(torch.stack([scored.components[k] for k in names], dim=1), weights, n)
+    return losses.group_advantages(scored.rewards, n, a.baseline, a.std_normalization)
 
 
 def global_mean(values: dict[str, float], count: float) -> dict[str, float]:
@@ -91,7 +196,9 @@ def evaluate(engine, runner, tokenizer, prompts, metadata) -> dict:
     rank, size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     mine = list(range(rank, len(prompts), size))
     rollout = engine.generate([prompts[i] for i in mine], n=1, greedy=True)
-    rewards, _ = score(runner, tokenizer, [prompts[i] for i in mine], rollout, [metadata[i] for i in mine], 1)
+    texts = [tokenizer.decode(c, skip_special_tokens=True) for c in rollout.completions]
+    rewards = torch.tensor(runner.score([tokenizer.decode(prompts[i]) for i in mine], texts,
+                                        [metadata[i] for i in mine]).rewards)
     return global_mean({"val/reward_mean": rewards.sum().item(), "val/accuracy": (rewards >= 1).sum().item()},
                        len(mine))
 
@@ -109,6 +216,11 @@ def run(cfg: Config, run_dir: Path) -> dict:
     assets = write_run_assets(cfg, run_dir, tokenizer)
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     stream = Batches({"index": torch.arange(len(train_prompts))}, a.prompts_per_step, cfg.data.seed, dp_rank, dp)
+
+    def next_prompts():
+        index = stream.next()["index"].tolist()
+        return [train_prompts[i] for i in index], [train_meta[i] for i in index]
+
     latest, state = load_initial_state(trainee, cfg, run_dir)
     step = state["step"] if state else 0
     if state:
@@ -120,7 +232,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
             ref.load_state_dict(checkpointing.unwrap(chunk).state_dict())
             ref.eval()
     engine = RolloutEngine(trainee.model, cfg.model, tokenizer, r, compute_dtype(cfg))
-    runner = RewardRunner(cfg.rewards.fn, cfg.rewards.timeout_s, cfg.rewards.workers)
+    runner = RewardRunner(cfg.rewards.fn, cfg.rewards.timeout_s, cfg.rewards.workers, cfg.rewards.weights)
     log = RunLogger(run_dir, cfg.train.max_steps, step, enabled=dist.get_rank() == 0,
                     tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress, desc=cfg.recipe or "grpo")
     if latest is not None:
@@ -135,11 +247,9 @@ def run(cfg: Config, run_dir: Path) -> dict:
         times = {}
         t0 = time.perf_counter()
         with prof.range("rollout"):
-            index = stream.next()["index"].tolist()
-            prompts, meta = [train_prompts[i] for i in index], [train_meta[i] for i in index]
-            rollout = engine.generate(prompts, n=r.n, seed=r.seed + step * 7919 + dp_rank)
-            rewards, scores = score(runner, tokenizer, prompts, rollout, meta, r.n)
-            advantages = losses.group_advantages(rewards, r.n, a.baseline, a.std_normalization)
+            scored, sampling_stats = sample(cfg, step, engine, runner, tokenizer, next_prompts, dp_rank)
+            rollout, rewards = scored.rollout, scored.raw
+            advantages = advantages_of(cfg, scored)
         times["perf/time_rollout_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -165,15 +275,15 @@ def run(cfg: Config, run_dir: Path) -> dict:
             **global_mean({"rollout/reward_mean": rewards.sum().item(), "rollout/accuracy": (rewards >= 1).sum().item(),
                            "rollout/response_len_mean": float(generated),
                            "rollout/truncated_frac": float(sum(rollout.truncated)),
-                           "rollout/reward_failure_frac": float(scores.failures)}, n_local),
-            **mismatch, **train_metrics, **times,
+                           "rollout/reward_failure_frac": float(scored.failures)}, n_local),
+            **sampling_stats, **mismatch, **train_metrics, **times,
             "perf/rollout_tokens_per_s": generated * dp / times["perf/time_rollout_s"],
             "perf/train_tokens_per_s": batch["loss_mask"].sum().item() * dp * a.epochs / times["perf/time_train_s"],
             "train/lr": trainee.scheduler.get_lr(trainee.optimizer.param_groups[0]),
         }
-        if scores.failures:
-            log.write(f"warning: step {step}: {scores.failures} samples got reward 0 because scoring failed "
-                      f"({'; '.join(scores.errors)})")
+        if scored.failures:
+            log.write(f"warning: step {step}: {scored.failures} samples got reward 0 because scoring failed "
+                      f"({'; '.join(scored.errors[:3])})")
         is_last = step == cfg.train.max_steps
         if val_prompts and (is_last or (cfg.train.eval_every and step % cfg.train.eval_every == 0)):
             with prof.range("eval"):
@@ -213,7 +323,8 @@ def train_on(trainee, cfg: Config, batch: dict) -> dict:
     n = len(batch["tokens"])
     per_minibatch = n // a.minibatches
     loss_fn = partial(grpo_loss, cfg)
-    keys = ["tokens", "labels", "loss_mask", "old_logp", "advantages", *(["ref_logp"] if a.kl_coef else [])]
+    keys = ["tokens", "labels", "loss_mask", "old_logp", "advantages", *(["ref_logp"] if a.kl_coef else []),
+            *(["rollout_logp"] if a.mismatch_correction != "none" else [])]
     sums, grad_norms = {}, []
     order = torch.arange(n)
     for epoch in range(a.epochs):
@@ -229,7 +340,9 @@ def train_on(trainee, cfg: Config, batch: dict) -> dict:
             for k, v in report.items():
                 sums[k] = sums.get(k, 0.0) + v
     tokens = max(sums.get("tokens", 0.0), 1.0)
-    out = {"train/loss": sums.get("loss_sum", 0.0) / tokens, "train/clip_frac": sums.get("clipped", 0.0) / tokens,
-           "train/entropy": sums.get("entropy_sum", 0.0) / tokens, "train/grad_norm": sum(grad_norms) / len(grad_norms)}
-    out["train/kl"] = sums.get("kl_sum", 0.0) / tokens
+    out = {"train/loss": sums.get("loss_num", 0.0) / max(sums.get("loss_den", 0.0), 1.0),
+           "train/clip_frac": sums.get("clipped", 0.0) / tokens, "train/entropy": sums.get("entropy_sum", 0.0) / tokens,
+           "train/grad_norm": sum(grad_norms) / len(grad_norms), "train/kl": sums.get("kl_sum", 0.0) / tokens}
+    if a.mismatch_correction != "none":
+        out["train/mismatch_masked_frac"] = sums.get("mismatch_masked", 0.0) / tokens
     return out

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 from megatron_rl.config import ConfigError
 
-from .builtin import exact_match, math_answer
+from .builtin import exact_match, exact_match_parts, math_answer
 
-BUILTIN = {"exact_match": exact_match, "math": math_answer}
+BUILTIN = {"exact_match": exact_match, "exact_match_parts": exact_match_parts, "math": math_answer}
 
 
 def load_reward(spec: str):

@@ -14,3 +14,10 @@ def math_answer(prompt: str, completion: str, metadata: dict) -> float:
     gold = parse(str(metadata["answer"]))
     answer = parse(completion)
     return float(bool(gold) and bool(answer) and verify(gold, answer))
+
+
+def exact_match_parts(prompt: str, completion: str, metadata: dict) -> dict:
+    """Two named components: 'correct' (exact match) and 'digits' (the completion is a number at
+    all), for multi-reward methods such as GDPO."""
+    text = completion.strip()
+    return {"correct": exact_match(prompt, completion, metadata), "digits": float(text.isdigit())}
