@@ -43,6 +43,7 @@ def test_kl_estimators():
     (0.5, -1.0, 0.8, True),     # negative advantage: capped at 1 - eps_low
     (1.5, -1.0, 1.5, False),    # negative advantage, ratio above: no cap (the pessimistic bound)
     (1.2, 1.0, -1.2, False),    # exactly at the boundary: both terms equal, not counted as clipped
+    (0.8, -1.0, 0.8, False),    # negative advantage exactly at the lower boundary: still learns
 ])
 def test_clipped_policy_loss_by_hand(ratio, adv, expected_loss, expected_clipped):
     old = torch.tensor([[0.0]])
