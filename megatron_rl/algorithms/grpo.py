@@ -14,7 +14,7 @@ Left out here: value models (PPO with a critic), multi-turn environments.
 """
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import partial
 from pathlib import Path
 
@@ -107,8 +107,7 @@ class Scored:
         rows = [g * n + j for g in groups for j in range(n)]
         r = self.rollout
         return Scored([self.prompts[g] for g in groups], [self.metadata[g] for g in groups],
-                      Rollout(*([getattr(r, f)[i] for i in rows] for f in ("prompts", "completions", "logprobs",
-                                                                              "truncated"))),
+                      Rollout(*([getattr(r, f.name)[i] for i in rows] for f in fields(Rollout))),
                       self.rewards[rows], self.raw[rows], {k: v[rows] for k, v in self.components.items()},
                       self.failures, self.errors)
 
@@ -118,8 +117,7 @@ class Scored:
             return parts[0]
         r = [p.rollout for p in parts]
         return Scored(sum((p.prompts for p in parts), []), sum((p.metadata for p in parts), []),
-                      Rollout(*(sum((getattr(x, f) for x in r), []) for f in ("prompts", "completions", "logprobs",
-                                                                               "truncated"))),
+                      Rollout(*(sum((getattr(x, f.name) for x in r), []) for f in fields(Rollout))),
                       torch.cat([p.rewards for p in parts]), torch.cat([p.raw for p in parts]),
                       {k: torch.cat([p.components[k] for p in parts]) for k in parts[0].components},
                       sum(p.failures for p in parts), sum((p.errors for p in parts), []))
@@ -189,18 +187,17 @@ def global_mean(values: dict[str, float], count: float) -> dict[str, float]:
     return {k: v / max(t[-1].item(), 1) for k, v in zip(values, t[:-1].tolist())}
 
 
-def evaluate(engine, runner, tokenizer, prompts, metadata) -> dict:
-    """Greedy decoding of the held-out prompts (this DP rank's share): val/accuracy, val/reward_mean."""
+def evaluate(cfg: Config, engine, runner, tokenizer, prompts, metadata) -> dict:
+    """Greedy decoding of the held-out prompts (this DP rank's share): val/accuracy, val/reward_mean
+    (of the reward function's own output, without shaping)."""
     from megatron.core import parallel_state as ps
 
     rank, size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    mine = list(range(rank, len(prompts), size))
-    rollout = engine.generate([prompts[i] for i in mine], n=1, greedy=True)
-    texts = [tokenizer.decode(c, skip_special_tokens=True) for c in rollout.completions]
-    rewards = torch.tensor(runner.score([tokenizer.decode(prompts[i]) for i in mine], texts,
-                                        [metadata[i] for i in mine]).rewards)
+    mine_prompts = prompts[rank::size]
+    rollout = engine.generate(mine_prompts, n=1, greedy=True)
+    rewards = score(cfg, runner, tokenizer, mine_prompts, metadata[rank::size], rollout).raw
     return global_mean({"val/reward_mean": rewards.sum().item(), "val/accuracy": (rewards >= 1).sum().item()},
-                       len(mine))
+                       len(mine_prompts))
 
 
 def run(cfg: Config, run_dir: Path) -> dict:
@@ -239,7 +236,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
         log.write(f"resumed from {latest} at step {step}")
     prof = Profiler(cfg.profiling.nvtx, cfg.profiling.nsys_start, cfg.profiling.nsys_end)
     if step == 0 and val_prompts:  # the starting point, logged as step 0
-        log.log(0, evaluate(engine, runner, tokenizer, val_prompts, val_meta))
+        log.log(0, evaluate(cfg, engine, runner, tokenizer, val_prompts, val_meta))
 
     metrics = {}
     while step < cfg.train.max_steps:
@@ -287,7 +284,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
         is_last = step == cfg.train.max_steps
         if val_prompts and (is_last or (cfg.train.eval_every and step % cfg.train.eval_every == 0)):
             with prof.range("eval"):
-                metrics.update(evaluate(engine, runner, tokenizer, val_prompts, val_meta))
+                metrics.update(evaluate(cfg, engine, runner, tokenizer, val_prompts, val_meta))
         log.log(step, metrics)
         if cfg.checkpoint.save and (is_last or (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0)):
             checkpointing.save(trainee, run_dir, step, {"data": stream.state_dict()}, cfg.checkpoint.keep,

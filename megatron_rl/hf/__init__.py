@@ -20,7 +20,6 @@ from .weights import export_hf_weights, load_hf_weights
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_FILE = "weight_dtypes.json"  # in the assets: each HF tensor's dtype, so an export restores it
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def model_config_from_hf(path: str | Path) -> ModelConfig:
@@ -60,7 +59,7 @@ def write_assets(hf_path: str | Path, out: str | Path, tokenizer=None, allow_pic
     if hf_path:
         copy_assets(hf_path, out)
         ckpt = HFCheckpoint(hf_path, allow_pickle)
-        dtypes = {name: str(ckpt.dtype_of(name)).removeprefix("torch.") for name in sorted(ckpt.names())}
+        dtypes = {name: _dtype_name(ckpt.dtype_of(name)) for name in sorted(ckpt.names())}
         (out / DTYPE_FILE).write_text(json.dumps(dtypes, indent=0))
     if tokenizer is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -109,7 +108,7 @@ def export_hf(model_chunks: list, model: ModelConfig, out: str | Path, assets: s
             if assets:
                 copy_assets(assets, tmp)
                 (tmp / DTYPE_FILE).unlink(missing_ok=True)
-            hf_config["dtype"] = _DTYPE_NAMES.get(dtype, str(dtype))
+            hf_config["dtype"] = _dtype_name(dtype)
             hf_config.pop("torch_dtype", None)
             (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
             if not (tmp / "generation_config.json").exists():
@@ -136,6 +135,11 @@ class _DtypeWriter:
 
     def close(self):
         return self.writer.close()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """HF's name of a dtype: torch.bfloat16 -> 'bfloat16'."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _config_dtype(hf_config: dict) -> torch.dtype | None:
