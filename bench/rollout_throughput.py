@@ -8,7 +8,8 @@ Two settings, both sampling at temperature 1 from the same prompts:
 - rl: end-of-sequence on, with its logit raised so that lengths vary as in RL rollouts (mean about
   a third of --new-tokens). transformers keeps finished sequences in the batch until the last one
   ends; our engine drops them, so they stop costing compute.
-Prints generated tokens/s of each, their ratio, and the GEMM-bound floor of this machine
+Each engine runs --repeats times, the two taking turns, and the fastest run of each counts (this
+shared machine's speed drifts by up to 25% within minutes). Prints generated tokens/s of each, their ratio, and the GEMM-bound floor of this machine
 (2 x parameters x tokens FLOPs at the measured fp32 matmul rate) as a fraction reached.
 """
 
@@ -41,30 +42,33 @@ def matmul_tflops(n: int = 1024, repeat: int = 20) -> float:
     return 2 * n**3 * repeat / (time.perf_counter() - t0) / 1e12
 
 
-def hf_generate(path, prompts, new_tokens, seed, stop_at_eos):
+def hf_generator(path, prompts, new_tokens, seed, stop_at_eos):
+    """A function that runs transformers' generate once and returns (seconds, generated tokens)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     ids = torch.tensor(prompts)
     eos = model.generation_config.eos_token_id
-    torch.manual_seed(seed)
-    with torch.inference_mode():
-        model.generate(ids[:2], max_new_tokens=4, min_new_tokens=4, do_sample=True, top_k=0)  # warm up
-        t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=0 if stop_at_eos else new_tokens, do_sample=True, temperature=1.0,
-                             top_k=0, top_p=1.0)
-        dt = time.perf_counter() - t0
-    generated = out[:, ids.shape[1]:]
-    if stop_at_eos:  # tokens up to and including each sequence's first eos
-        ended = (generated == eos).int().cumsum(dim=1)
-        tokens = int(((ended == 0) | ((ended == 1) & (generated == eos))).sum())
-    else:
-        tokens = generated.numel()
-    return tokens / dt, dt, tokens
+
+    def run():
+        torch.manual_seed(seed)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 min_new_tokens=0 if stop_at_eos else new_tokens, do_sample=True, temperature=1.0,
+                                 top_k=0, top_p=1.0)
+            dt = time.perf_counter() - t0
+        generated = out[:, ids.shape[1]:]
+        if stop_at_eos:  # tokens up to and including each sequence's first eos
+            ended = (generated == eos).int().cumsum(dim=1)
+            return dt, int(((ended == 0) | ((ended == 1) & (generated == eos))).sum())
+        return dt, generated.numel()
+
+    return run
 
 
-def ours(path, prompts, new_tokens, seed, stop_at_eos):
+def our_generator(path, prompts, new_tokens, seed, stop_at_eos):
+    """A function that runs our rollout engine once and returns (seconds, generated tokens)."""
     from megatron_rl.config import Config, RolloutConfig
     from megatron_rl.hf import import_hf, model_config_from_hf
     from megatron_rl.rollout.engine import RolloutEngine
@@ -78,13 +82,29 @@ def ours(path, prompts, new_tokens, seed, stop_at_eos):
                             max_requests=len(prompts), temperature=1.0, kv_cache_gb=1.0)
     engine = RolloutEngine(chunks, cfg.model, AutoTokenizer.from_pretrained(str(path)), rollout, torch.float32,
                            stop_at_eos=stop_at_eos)
-    engine.generate(prompts[:2], n=1, seed=seed)  # warm up
-    t0 = time.perf_counter()
-    out = engine.generate(prompts, n=1, seed=seed)
-    dt = time.perf_counter() - t0
-    tokens = sum(out.lengths)
-    assert stop_at_eos or tokens == len(prompts) * new_tokens
-    return tokens / dt, dt, tokens
+
+    def run():
+        t0 = time.perf_counter()
+        out = engine.generate(prompts, n=1, seed=seed)
+        dt = time.perf_counter() - t0
+        assert stop_at_eos or sum(out.lengths) == len(prompts) * new_tokens
+        return dt, sum(out.lengths)
+
+    return run
+
+
+def best_of(runners: dict, repeats: int) -> dict:
+    """Each runner `repeats` times, taking turns (so that load changes on the machine hit both
+    alike), after one warm-up run each; the fastest run of each counts."""
+    best = {}
+    for name, run in runners.items():
+        run()
+    for _ in range(repeats):
+        for name, run in runners.items():
+            dt, tokens = run()
+            if name not in best or dt < best[name][0]:
+                best[name] = (dt, tokens)
+    return best
 
 
 def raise_eos_logit(path: Path, eos: int, new_tokens: int):
@@ -108,6 +128,7 @@ def main():
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--size", choices=sorted(SIZES), default="25m")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of each engine, taking turns; the best counts")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
 
@@ -133,14 +154,17 @@ def main():
 
     flops = matmul_tflops()
     floor_tps = flops * 1e12 / (2 * params)
-    result = {"model": f"Qwen3-shaped {params / 1e6:.1f}M params, fp32", "batch": args.batch,
+    result = {"model": f"Qwen3-shaped {params / 1e6:.1f}M params, fp32", "batch": args.batch, "repeats": args.repeats,
               "max_new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "matmul_tflops": round(flops, 3),
               "floor_tokens_per_s": round(floor_tps, 1)}
     for setting, stop_at_eos in (("fixed", False), ("rl", True)):
         if stop_at_eos:
             raise_eos_logit(tmp, tok.eos_token_id, args.new_tokens)
-        hf_tps, hf_s, hf_tokens = hf_generate(tmp, prompts, args.new_tokens, 0, stop_at_eos)
-        our_tps, our_s, our_tokens = ours(tmp, prompts, args.new_tokens, 0, stop_at_eos)
+        runners = {"hf": hf_generator(tmp, prompts, args.new_tokens, 0, stop_at_eos),
+                   "ours": our_generator(tmp, prompts, args.new_tokens, 0, stop_at_eos)}
+        best = best_of(runners, args.repeats)
+        (our_s, our_tokens), (hf_s, hf_tokens) = best["ours"], best["hf"]
+        our_tps, hf_tps = our_tokens / our_s, hf_tokens / hf_s
         result[setting] = {"ours_tokens_per_s": round(our_tps, 1), "hf_generate_tokens_per_s": round(hf_tps, 1),
                            "ours_over_hf": round(our_tps / hf_tps, 2), "ours_s": round(our_s, 2), "hf_s": round(hf_s, 2),
                            "ours_tokens": our_tokens, "hf_tokens": hf_tokens,
