@@ -158,6 +158,10 @@ class ParallelConfig:
     """Sequence parallel (needs tp > 1)."""
     dp: int = 0
     """Data parallel size; 0 means whatever the world size leaves after tp x pp x cp."""
+    first_stage_layers: int = 0
+    """Uneven pipeline: layers of the first stage (0: an even split); the middle stages share the rest."""
+    last_stage_layers: int = 0
+    """Uneven pipeline: layers of the last stage (0: an even split)."""
 
     def validate(self, world_size: int, model: ModelConfig | None = None):
         _positive(self, "tp", "pp", "vpp", "cp", "ep")
@@ -195,7 +199,15 @@ class ParallelConfig:
             if n % self.tp:
                 raise ConfigError(
                     f"model.{what}={n} is not divisible by parallel.tp={self.tp}; choose a tp that divides it.")
-        if model.num_layers % (self.pp * self.vpp):
+        if self.first_stage_layers or self.last_stage_layers:
+            middle = self.pp - bool(self.first_stage_layers) - bool(self.last_stage_layers)
+            rest = model.num_layers - self.first_stage_layers - self.last_stage_layers
+            if self.vpp > 1 or middle < 0 or rest < 0 or (rest % middle if middle else rest):
+                raise ConfigError(
+                    f"parallel.first_stage_layers={self.first_stage_layers} and last_stage_layers="
+                    f"{self.last_stage_layers} must leave the other {model.num_layers} - those layers evenly to the "
+                    f"{middle} middle stages of parallel.pp={self.pp} (and parallel.vpp=1).")
+        elif model.num_layers % (self.pp * self.vpp):
             raise ConfigError(
                 f"model.num_layers={model.num_layers} is not divisible by parallel.pp x parallel.vpp = "
                 f"{self.pp} x {self.vpp}; choose a layout whose stages get whole layers.")
@@ -377,6 +389,10 @@ class TrainConfig:
     """Also decode the validation prompts greedily and report val/accuracy (exact match)."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """'auto' is bf16 on GPU and fp32 on CPU."""
+    fp8: Literal["off", "e4m3", "hybrid"] = "off"
+    """FP8 GEMMs through Transformer Engine where it is installed (else bf16, with a notice)."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recompute: 'selective' recomputes attention's core, 'full' each layer in the backward."""
 
 
 @dataclass(kw_only=True)
@@ -435,6 +451,12 @@ class Config:
         self.parallel.validate(world_size, self.model)
         self.optimizer.validate()
         self.data.validate(self.parallel.data_parallel_size(world_size))
+        p = self.parallel
+        split = (2 * p.cp if p.cp > 1 else 1) * (p.tp if p.sp else 1)
+        if self.data.seq_length % split:
+            raise ConfigError(
+                f"data.seq_length={self.data.seq_length} must be divisible by {split}: 2 chunks per context-parallel "
+                f"rank times tp with sequence parallelism; change data.seq_length or parallel.cp/tp.")
         if self.algorithm.name == "grpo":
             self._validate_grpo(self.parallel.data_parallel_size(world_size))
         _positive(self.train, "max_steps")
@@ -469,6 +491,9 @@ class Config:
         if a.ratio_level == "sequence" and a.mismatch_correction.startswith("token"):
             raise ConfigError("a sequence-level ratio (GSPO) needs a sequence-level mismatch correction: use "
                               "algorithm.mismatch_correction=sequence_truncate or sequence_mask.")
+        if self.parallel.cp > 1 and (a.ratio_level == "sequence" or a.mismatch_correction.startswith("sequence")):
+            raise ConfigError("sequence-level ratios (algorithm.ratio_level=sequence, sequence mismatch corrections) "
+                              "need each sequence whole on one rank; use parallel.cp=1 with them.")
         if a.advantage_estimator == "gdpo" and a.baseline != "mean":
             raise ConfigError("algorithm.advantage_estimator=gdpo normalizes each component by its group mean and std; "
                               "set algorithm.baseline=mean.")

@@ -105,23 +105,27 @@ def cispo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: to
     return -weight * _per_token(advantages) * logp, clipped
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, max_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, max_len: int = 0,
+              seq_tokens: torch.Tensor | None = None, count_sequences: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(numerator, denominator) of a batch loss; the loss of a batch is numerator / denominator, and
     both add up over microbatches and data-parallel ranks (megatron divides by the global sum).
 
     'token' (DAPO): mean over all valid tokens of the batch. 'sequence' (GRPO): mean over tokens of
     each sequence, then over sequences. 'constant' (Dr. GRPO): token sum / (sequences x max_len).
+    When the ranks of a context-parallel group each hold part of every sequence, seq_tokens (B,)
+    gives each sequence's whole valid-token count and only one of them counts the sequences.
     """
+    seq_tokens = mask.sum(dim=1) if seq_tokens is None else seq_tokens
+    sequences = (seq_tokens > 0).sum().to(mask.dtype) * count_sequences
     match mode:
         case "token":
             return masked_sum(loss, mask), mask.sum()
         case "sequence":
-            per_seq = masked_sum_rows(loss, mask) / mask.sum(dim=1).clamp(min=1)
-            return per_seq.sum(), (mask.sum(dim=1) > 0).sum().to(mask.dtype)
+            return (masked_sum_rows(loss, mask) / seq_tokens.clamp(min=1)).sum(), sequences
         case "constant":
             if max_len <= 0:
                 raise ValueError("'constant' aggregation needs the maximum response length")
-            return masked_sum(loss, mask) / max_len, (mask.sum(dim=1) > 0).sum().to(mask.dtype)
+            return masked_sum(loss, mask) / max_len, sequences
     raise ValueError(f"unknown loss aggregation {mode!r}; use 'token', 'sequence' or 'constant'")
 
 

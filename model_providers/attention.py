@@ -3,7 +3,8 @@
 megatron-core's local `DotProductAttention` needs equal q/k and v head sizes, so multi-latent
 attention (DeepSeek) cannot be built with it. This one takes separate sizes, grouped-query
 attention, causal masks aligned to the end of the keys (a KV cache holds more keys than there are
-new queries), sliding windows and megatron's explicit masks.
+new queries), sliding windows, megatron's explicit masks, and context parallelism (which megatron
+leaves to Transformer Engine's attention).
 """
 
 import torch
@@ -14,12 +15,27 @@ from megatron.core.transformer.module import MegatronModule
 
 def causal_mask(sq: int, sk: int, window: int = 0, device=None) -> torch.Tensor:
     """(sq, sk) bool, True where query i (at position sk - sq + i) may attend to key j."""
-    q_pos = torch.arange(sk - sq, sk, device=device).unsqueeze(1)
-    k_pos = torch.arange(sk, device=device).unsqueeze(0)
-    allowed = k_pos <= q_pos
+    return position_mask(torch.arange(sk - sq, sk, device=device), torch.arange(sk, device=device), window)
+
+
+def position_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """(len(q_pos), len(k_pos)) bool, True where a query may attend to a key, by their positions."""
+    allowed = k_pos[None, :] <= q_pos[:, None]
     if window:
-        allowed &= k_pos > q_pos - window
+        allowed &= k_pos[None, :] > q_pos[:, None] - window
     return allowed
+
+
+def load_balanced_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """Which positions of a seq_len-token sequence context-parallel rank `rank` of `cp` holds.
+
+    megatron's load-balanced split (get_batch_on_this_cp_rank, and the rotary embedding's
+    get_pos_emb_on_this_cp_rank): the sequence is cut into 2 x cp chunks and rank r holds chunks r
+    and 2cp - 1 - r, so that every rank gets the same share of causal attention's work.
+    """
+    chunk = seq_len // (2 * cp)
+    starts = (rank * chunk, (2 * cp - 1 - rank) * chunk)
+    return torch.cat([torch.arange(s, s + chunk, device=device) for s in starts])
 
 
 class CoreAttention(MegatronModule):
@@ -28,8 +44,11 @@ class CoreAttention(MegatronModule):
                  k_channels: int | None = None, v_channels: int | None = None, cp_comm_type=None,
                  pg_collection=None):
         super().__init__(config=config)
-        if config.context_parallel_size > 1:
-            raise NotImplementedError("context parallelism is not supported by the local spec's attention yet.")
+        self.cp = config.context_parallel_size
+        if self.cp > 1:
+            from megatron.core import parallel_state as ps
+
+            self.cp_group = pg_collection.cp if pg_collection is not None else ps.get_context_parallel_group()
         self.attn_mask_type = attn_mask_type
         self.scale = softmax_scale if softmax_scale is not None else (k_channels or config.kv_channels) ** -0.5
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -40,6 +59,8 @@ class CoreAttention(MegatronModule):
         """query (sq, b, heads, dk), key (sk, b, groups, dk), value (sk, b, groups, dv) -> (sq, b, heads * dv)."""
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("packed sequences and attention bias need Transformer Engine's attention.")
+        if self.cp > 1:
+            return self._context_parallel(query, key, value, attention_mask)
         sq, b, heads, _ = query.shape
         sk, groups = key.shape[0], key.shape[2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # (b, heads or groups, s, d)
@@ -58,3 +79,24 @@ class CoreAttention(MegatronModule):
             q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale,
             dropout_p=self.dropout if self.training else 0.0, enable_gqa=groups != heads)
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # (sq, b, heads * dv)
+
+    def _context_parallel(self, query, key, value, attention_mask):
+        """Causal attention of this rank's queries to the keys of the whole sequence: all-gather the
+        keys and values over the context-parallel group (the backward reduce-scatters their
+        gradients), then mask by the positions each rank holds."""
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        if attention_mask is not None:
+            raise NotImplementedError("context parallelism with an explicit attention mask (padding, "
+                                      "packing) needs Transformer Engine's attention; use parallel.cp=1.")
+        sq, b, heads, _ = query.shape
+        key, value = (gather_from_sequence_parallel_region(t, group=self.cp_group) for t in (key, value))
+        rank, length = torch.distributed.get_rank(self.cp_group), sq * self.cp
+        q_pos = load_balanced_positions(length, self.cp, rank, query.device)
+        k_pos = torch.cat([load_balanced_positions(length, self.cp, r, query.device) for r in range(self.cp)])
+        mask = position_mask(q_pos, k_pos, self.window)  # keys in gathered (rank) order
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # (b, heads or groups, s, d)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.scale, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=key.shape[2] != heads)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)

@@ -62,6 +62,14 @@ def _moe_kwargs(m: ModelConfig, p: ParallelConfig) -> dict:
     )
 
 
+def _recompute_kwargs(recompute: str) -> dict:
+    if recompute == "selective":
+        return dict(recompute_granularity="selective")
+    if recompute == "full":  # every layer's activations are recomputed in the backward
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return {}
+
+
 def _mla_kwargs(m: ModelConfig) -> dict:
     return dict(
         q_lora_rank=m.q_lora_rank or None,
@@ -87,6 +95,9 @@ class Provider:
     parallel: ParallelConfig
     dtype: torch.dtype = torch.float32
     """Parameter dtype: bf16 on GPU, fp32 on CPU."""
+    fp8: str = "off"
+    """FP8 recipe for Transformer Engine's GEMMs ('e4m3', 'hybrid'); ignored without TE."""
+    recompute: str = "none"
 
     def transformer_config(self):
         from megatron.core.transformer import MLATransformerConfig, TransformerConfig
@@ -129,6 +140,10 @@ class Provider:
             apply_rope_fusion=False,
             persist_layer_norm=False,
             calculate_per_token_loss=True,  # losses are normalized by global token counts
+            num_layers_in_first_pipeline_stage=p.first_stage_layers or None,
+            num_layers_in_last_pipeline_stage=p.last_stage_layers or None,
+            **_recompute_kwargs(self.recompute),
+            **({"fp8": self.fp8} if self.fp8 != "off" and te_available() else {}),
             **_moe_kwargs(m, p),
         )
         if m.multi_latent_attention:

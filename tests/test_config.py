@@ -37,6 +37,8 @@ def test_unknown_recipe():
     (["parallel.dp=4"], 2, "parallel.dp=4 but world size 2"),
     (["parallel.sp=true"], 1, "parallel.sp=true needs parallel.tp > 1"),
     (["data.global_batch_size=48"], 2, "data.global_batch_size=48 is not divisible"),
+    (["parallel.cp=2", "data.seq_length=18"], 2, "data.seq_length=18 must be divisible by 4"),
+    (["parallel.tp=2", "parallel.sp=true", "data.seq_length=15"], 2, "data.seq_length=15 must be divisible by 2"),
 ])
 def test_invalid_layouts(overrides, world, message):
     cfg = apply_overrides(get_recipe("tiny_sft"), overrides)

@@ -48,6 +48,12 @@ def test_contradictory_options_are_refused(overrides, message):
         apply_overrides(get_recipe("tiny_grpo"), overrides).validate(world_size=1)
 
 
+def test_sequence_ratios_refuse_context_parallel():
+    cfg = apply_overrides(get_recipe("tiny_gspo"), ["parallel.cp=2"])
+    with pytest.raises(ConfigError, match="need each sequence whole on one rank; use parallel.cp=1"):
+        cfg.validate(world_size=2)
+
+
 def test_gdpo_needs_named_components():
     from megatron_rl.algorithms.grpo import Scored, advantages_of
     from megatron_rl.rollout.engine import Rollout

@@ -129,6 +129,14 @@ def test_loss_aggregations_by_hand():
     # numerators and denominators add up over microbatches
     parts = [losses.aggregate(loss[i:i + 1], mask[i:i + 1], "sequence") for i in range(3)]
     assert (sum(p[0] for p in parts) / sum(p[1] for p in parts)).item() == pytest.approx(3.0)
+    # and over context-parallel ranks that each hold some of every sequence's tokens, given the
+    # whole sequences' token counts, with one rank counting the sequences
+    for mode in ("token", "sequence", "constant"):
+        whole = losses.aggregate(loss, mask, mode, max_len=5)
+        shares = [losses.aggregate(loss[:, cols], mask[:, cols], mode, max_len=5, seq_tokens=mask.sum(dim=1),
+                                   count_sequences=rank == 0) for rank, cols in enumerate(([0, 2], [1]))]
+        assert sum(p[0] for p in shares).item() == pytest.approx(whole[0].item()), mode
+        assert sum(p[1] for p in shares).item() == whole[1].item(), mode
 
 
 def test_mismatch_weights_by_hand():

@@ -1,5 +1,7 @@
-"""SFT end to end: learning, bitwise resume, and equal losses across TP / PP / DP+distributed optimizer."""
+"""SFT end to end: learning, bitwise resume, and equal losses across parallel layouts (TP, SP, PP,
+VPP, CP, EP, DP with the distributed optimizer, TP x PP)."""
 
+import math
 import shutil
 
 import pytest
@@ -36,16 +38,26 @@ def reference(tmp_path_factory):
     return ckpt, column(single, "train/loss"), column(single, "train/grad_norm"), single
 
 
-# Loss tolerance: fp32 with a different reduction order (TP all-reduce, DP split) over 4 Adam steps.
-@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.pp=2"],
-                                    ["parallel.dp=2", "optimizer.distributed=true"]],
-                         ids=["tp2", "pp2", "dp2-distopt"])
+def processes(layout: list[str]) -> int:
+    """The world size a layout of parallel.{tp,pp,cp,dp}=N overrides needs."""
+    sizes = [int(o.split("=")[1]) for o in layout if o.split("=")[0] in ("parallel.tp", "parallel.pp", "parallel.cp",
+                                                                          "parallel.dp")]
+    return math.prod(sizes)
+
+
+# Loss tolerance: fp32 with a different reduction order (TP all-reduce, DP split, CP's split of each
+# sequence) over 4 Adam steps.
+@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.tp=2", "parallel.sp=true"], ["parallel.pp=2"],
+                                    ["parallel.cp=2"], ["parallel.dp=2", "optimizer.distributed=true"],
+                                    ["parallel.tp=2", "parallel.pp=2"]],
+                         ids=["tp2", "tp2-sp", "pp2", "cp2", "dp2-distopt", "tp2xpp2"])
 def test_parallel_layouts_match_single_process(reference, layout, tmp_path):
     ckpt, losses, norms, single = reference
-    save = "false" if layout == ["parallel.pp=2"] else "true"  # the others' checkpoints are used below
+    used_below = (["parallel.tp=2"], ["parallel.dp=2", "optimizer.distributed=true"])  # their checkpoints
+    save = "true" if layout in used_below else "false"
     run_train(["--recipe", "tiny_sft", *FAST, *layout, "train.max_steps=4", f"checkpoint.load={ckpt}",
                "checkpoint.save_every=2", "checkpoint.keep=0", f"checkpoint.save={save}",
-               f"logging.run_dir={tmp_path}"], nproc=2)
+               f"logging.run_dir={tmp_path}"], nproc=processes(layout))
     assert column(tmp_path, "train/loss") == pytest.approx(losses, rel=1e-5, abs=1e-6)
     assert column(tmp_path, "train/grad_norm") == pytest.approx(norms, rel=1e-4)
     if layout == ["parallel.tp=2"]:
@@ -107,3 +119,17 @@ def test_virtual_pipeline_matches_single_process(tmp_path):
     assert column(tmp_path / "vpp", "train/loss") == pytest.approx(column(tmp_path / "single", "train/loss"), rel=1e-5)
     assert column(tmp_path / "vpp", "train/grad_norm") == pytest.approx(
         column(tmp_path / "single", "train/grad_norm"), rel=1e-4)
+
+
+def test_moe_expert_parallel_matches_single_process(tmp_path):
+    """A Qwen3-MoE-shaped tiny model with megatron's alltoall token dispatcher: EP=2 on gloo gives
+    the single-process losses and gradient norms from the same weights."""
+    moe = [*FAST, "model.num_experts=4", "model.moe_ffn_hidden_size=128", "model.moe_topk=2",
+           "model.moe_dispatcher=alltoall"]
+    run_train(["--recipe", "tiny_sft", *moe, "train.max_steps=1", f"logging.run_dir={tmp_path / 'init'}"])
+    start = [f"checkpoint.load={checkpoint_dir(tmp_path / 'init', 1)}", "checkpoint.save=false", "train.max_steps=3"]
+    run_train(["--recipe", "tiny_sft", *moe, *start, f"logging.run_dir={tmp_path / 'single'}"])
+    run_train(["--recipe", "tiny_sft", *moe, *start, "parallel.ep=2", f"logging.run_dir={tmp_path / 'ep2'}"], nproc=2)
+    single, ep2 = tmp_path / "single", tmp_path / "ep2"
+    assert column(ep2, "train/loss") == pytest.approx(column(single, "train/loss"), rel=1e-5)
+    assert column(ep2, "train/grad_norm") == pytest.approx(column(single, "train/grad_norm"), rel=1e-4)

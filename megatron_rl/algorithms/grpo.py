@@ -33,7 +33,7 @@ from megatron_rl.rewards import RewardRunner
 from megatron_rl.rollout.engine import Rollout, RolloutEngine
 from megatron_rl.training.logprobs import entropy, mask_padded_vocab, token_logprobs
 from megatron_rl.training.setup import build_model, build_trainee, compute_dtype, load_initial_state, write_run_assets
-from megatron_rl.training.step import forward_backward, optimizer_step, reduce_reports, zero_grads
+from megatron_rl.training.step import cp_sum, first_cp_rank, forward_backward, optimizer_step, reduce_reports, zero_grads
 
 
 def policy_loss(a, logp: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +68,8 @@ def grpo_loss(cfg: Config, batch: dict, logits: torch.Tensor):
                                                   a.mismatch_correction, a.mismatch_threshold)
         loss = loss * weights
         report["mismatch_masked"] = losses.masked_sum(masked.float(), mask)
-    num, den = losses.aggregate(loss, mask, a.loss_aggregation, cfg.rollout.max_new_tokens)
+    num, den = losses.aggregate(loss, mask, a.loss_aggregation, cfg.rollout.max_new_tokens,
+                                seq_tokens=cp_sum(mask.sum(dim=1)), count_sequences=first_cp_rank())
     report.update(loss_num=num.detach(), loss_den=den, tokens=mask.sum(), entropy_sum=entropy_sum)
     return num, den.int(), report
 
@@ -81,13 +82,14 @@ def logprobs_of(model_chunks: list, batch: dict, micro_batch_size: int, vocab_si
     out = torch.zeros_like(batch["loss_mask"])
 
     def capture(mb, logits):
-        out[mb["index"]] = token_logprobs(mask_padded_vocab(logits, vocab_size), mb["labels"]).float()
+        lp = token_logprobs(mask_padded_vocab(logits, vocab_size), mb["labels"]).float()
+        out[mb["index"][:, None], mb["positions"][None, :]] = lp
         return logits.sum() * 0, torch.tensor(1), {}
 
     micro = microbatches({k: batch[k] for k in ("tokens", "labels", "index")}, micro_batch_size)
     with torch.no_grad():
         forward_backward(SimpleNamespace(model=model_chunks), micro, capture, forward_only=True)
-    return out
+    return cp_sum(out)  # each context-parallel rank filled the positions it holds
 
 
 @dataclass

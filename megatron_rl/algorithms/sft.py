@@ -22,7 +22,7 @@ from megatron_rl.logging import RunLogger
 from megatron_rl.profiling import Profiler
 from megatron_rl.training.logprobs import argmax_equals, mask_padded_vocab, token_logprobs
 from megatron_rl.training.setup import build_trainee, load_initial_state, write_run_assets
-from megatron_rl.training.step import forward_backward, optimizer_step, reduce_reports, zero_grads
+from megatron_rl.training.step import cp_sum, first_cp_rank, forward_backward, optimizer_step, reduce_reports, zero_grads
 
 
 def sft_loss(vocab_size: int, batch: dict, logits: torch.Tensor):
@@ -33,8 +33,10 @@ def sft_loss(vocab_size: int, batch: dict, logits: torch.Tensor):
     nll = -token_logprobs(logits, batch["labels"])  # (B, S)
     loss_sum = (nll * mask).sum()
     tokens = mask.sum()
-    report = {"loss_sum": loss_sum.detach(), "tokens": tokens, "correct": hit.all(dim=1).sum(),
-              "samples": torch.tensor(float(len(mask)))}
+    wrong = cp_sum((~hit).sum(dim=1))  # per sample, over the whole sequence (context parallel)
+    counts = first_cp_rank()  # per-sample numbers count once per context-parallel group
+    report = {"loss_sum": loss_sum.detach(), "tokens": tokens, "correct": (wrong == 0).sum() * counts,
+              "samples": torch.tensor(float(len(mask) * counts))}
     return loss_sum, tokens.int(), report
 
 

@@ -224,6 +224,20 @@ def _patch_dynamic_engine(module):
     module.range_push = module.range_pop = _noop
 
 
+def _split_sizes_on_host(tensor, as_numpy=False, record_stream=False):
+    """moe_utils.maybe_move_tensor_to_cpu, also for tensors already on the CPU."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.detach().cpu().numpy()
+    return tensor
+
+
+def _patch_token_dispatcher(module):
+    # The alltoall dispatcher gets its all_to_all split sizes from maybe_move_tensor_to_cpu(...,
+    # as_numpy=True), which converts only CUDA tensors: on CPU the torch tensors reach
+    # all_to_all_single, whose split sizes must be a sequence of ints (TypeError).
+    module.maybe_move_tensor_to_cpu = _split_sizes_on_host
+
+
 # The few places where a stand-in torch is not enough.
 _SPECIALS = {
     "megatron.core.optimizer.clip_grads": _patch_clip_grads,
@@ -232,6 +246,7 @@ _SPECIALS = {
     "megatron.core.tensor_parallel.random": _patch_random,
     "megatron.core.inference.engines.dynamic_engine": _patch_dynamic_engine,
     "megatron.core.inference.communication_utils": _patch_inference_communication,
+    "megatron.core.transformer.moe.token_dispatcher": _patch_token_dispatcher,
 }
 
 

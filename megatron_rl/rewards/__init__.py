@@ -52,6 +52,15 @@ def _score_one(fn, prompt, completion, metadata):
     return float(out)
 
 
+def _quiet_on_sigterm():
+    """Workers end by SIGTERM (Pool.terminate): megatron-core's inference coordinator registers a
+    faulthandler stack dump for it at import, which would print every worker's stack at exit."""
+    import faulthandler
+    import signal
+
+    faulthandler.unregister(signal.SIGTERM)
+
+
 class RewardRunner:
     """Scores samples in worker processes, each call limited to `timeout` seconds."""
 
@@ -64,7 +73,7 @@ class RewardRunner:
     def _pool(self):
         if self.pool is None:
             # fork: the workers inherit the function (also one defined in a test or notebook)
-            self.pool = mp.get_context("fork").Pool(self.workers)
+            self.pool = mp.get_context("fork").Pool(self.workers, initializer=_quiet_on_sigterm)
         return self.pool
 
     def score(self, prompts: list[str], completions: list[str], metadata: list[dict]) -> Scores:

@@ -3,6 +3,11 @@
 A loss function gets the stage's output logits and the microbatch and returns
 (loss_sum, num_tokens, report): megatron divides gradients by the global token count
 (calculate_per_token_loss), so the result is the same whatever the microbatching and DP split.
+
+With context parallelism each rank of a CP group gets its share of every sequence's tokens
+(megatron's load-balanced split): per-token tensors of the microbatch are cut accordingly, and
+batch["positions"] says which positions the rank holds. Per-token sums then add up over the CP
+group like over DP; per-sequence quantities need `cp_sum` (and count once: `first_cp_rank`).
 """
 
 from functools import partial
@@ -12,14 +17,51 @@ import torch
 from megatron_rl.platform import device
 
 
+def cp_share(batch: dict) -> dict:
+    """This context-parallel rank's share of a microbatch: the per-token (B, S, ...) tensors at the
+    positions it holds, per-sample tensors whole, and "positions" (S / cp,)."""
+    from megatron.core import parallel_state as ps
+    from model_providers.attention import load_balanced_positions
+
+    seq_len = batch["tokens"].shape[1]
+    cp = ps.get_context_parallel_world_size()
+    positions = load_balanced_positions(seq_len, cp, ps.get_context_parallel_rank(), batch["tokens"].device)
+    share = {k: v[:, positions] if v.dim() >= 2 and v.shape[1] == seq_len else v for k, v in batch.items()}
+    share["positions"] = positions
+    return share
+
+
+def cp_sum(x: torch.Tensor) -> torch.Tensor:
+    """x summed over the context-parallel group (no gradient): per-sequence totals of token values."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_context_parallel_world_size() == 1:
+        return x
+    x = x.detach().clone()
+    torch.distributed.all_reduce(x, group=ps.get_context_parallel_group())
+    return x
+
+
+def first_cp_rank() -> bool:
+    """Whether this rank counts per-sequence quantities for its context-parallel group."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_context_parallel_rank() == 0
+
+
 def _forward_step(loss_fn, data_iterator, model):
-    batch = next(data_iterator)
+    from megatron.core import parallel_state as ps
+
     dev = device()
-    tokens = batch["tokens"].to(dev)
-    positions = torch.arange(tokens.shape[1], device=dev).unsqueeze(0).expand_as(tokens)
+    batch = {k: v.to(dev) for k, v in next(data_iterator).items()}
+    if ps.get_context_parallel_world_size() > 1:
+        batch = cp_share(batch)
+    else:
+        batch["positions"] = torch.arange(batch["tokens"].shape[1], device=dev)
+    tokens = batch["tokens"]
     # attention_mask=None: the local spec's attention builds its causal mask itself.
-    output = model(tokens, positions, None)
-    return output, partial(loss_fn, {k: v.to(dev) for k, v in batch.items()})
+    output = model(tokens, batch["positions"].unsqueeze(0).expand_as(tokens), None)
+    return output, partial(loss_fn, batch)
 
 
 def forward_backward(trainee, micro: list[dict], loss_fn, forward_only: bool = False) -> list[dict]:
@@ -41,7 +83,8 @@ def forward_backward(trainee, micro: list[dict], loss_fn, forward_only: bool = F
 
 
 def reduce_reports(reports: list[dict]) -> dict[str, float]:
-    """Sum report values over microbatches and data-parallel ranks, then share them with every rank.
+    """Sum report values over microbatches and data- and context-parallel ranks, then share them
+    with every rank.
 
     Reports exist only on the last pipeline stage; it broadcasts the sums to the other stages.
     """
@@ -60,8 +103,8 @@ def reduce_reports(reports: list[dict]) -> dict[str, float]:
         for r in reports:
             sums += torch.stack([torch.as_tensor(r[k], dtype=torch.float64).cpu() for k in keys])
     sums = sums.to(device())
-    if ps.get_data_parallel_world_size() > 1:
-        dist.all_reduce(sums, group=ps.get_data_parallel_group())
+    if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
+        dist.all_reduce(sums, group=ps.get_data_parallel_group(with_context_parallel=True))
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast(sums, src=ps.get_pipeline_model_parallel_last_rank(),
                        group=ps.get_pipeline_model_parallel_group())
