@@ -43,10 +43,10 @@ def test_grpo_step_metrics_and_logprob_agreement(single):
     assert (single / "plot.png").is_file()
 
 
-# Tolerances: the same rollouts (same seed) through a different reduction order. With context
-# parallelism the training forward splits every sequence over two ranks (GEMMs on half the rows,
-# attention over gathered keys): its logprobs differ from the rollout's by up to about 8e-6 here,
-# so the bound there is 2e-5 (1e-5 elsewhere).
+# Tolerances: the same rollouts (same seed) through a different reduction order. With context or
+# sequence parallelism the training forward splits every sequence over two ranks (GEMMs on half
+# the rows, attention over gathered keys): its logprobs differ from the rollout's by up to about
+# 9e-6 here, so the bound there is 2e-5 (1e-5 elsewhere).
 @pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.tp=2", "parallel.sp=true"], ["parallel.pp=2"],
                                     ["parallel.cp=2"], ["data.micro_batch_size=16"]],
                          ids=["tp2", "tp2-sp", "pp2", "cp2", "microbatch16"])
@@ -57,7 +57,7 @@ def test_grpo_layouts_match_single_process(layout, single, sft_checkpoint, tmp_p
     assert column(tmp_path, "rollout/reward_mean") == column(single, "rollout/reward_mean")  # same samples
     assert column(tmp_path, "train/loss") == pytest.approx(column(single, "train/loss"), rel=1e-5, abs=1e-8)
     assert column(tmp_path, "train/grad_norm") == pytest.approx(column(single, "train/grad_norm"), rel=1e-5)
-    bound = 2e-5 if "parallel.cp=2" in layout else 1e-5
+    bound = 2e-5 if "parallel.cp=2" in layout or "parallel.sp=true" in layout else 1e-5
     assert max(column(tmp_path, "rollout/logprob_mismatch_max")) <= bound
 
 

@@ -234,7 +234,8 @@ def _split_sizes_on_host(tensor, as_numpy=False, record_stream=False):
 def _patch_token_dispatcher(module):
     # The alltoall dispatcher gets its all_to_all split sizes from maybe_move_tensor_to_cpu(...,
     # as_numpy=True), which converts only CUDA tensors: on CPU the torch tensors reach
-    # all_to_all_single, whose split sizes must be a sequence of ints (TypeError).
+    # all_to_all_single, whose split sizes must be a sequence of ints (TypeError). Without this,
+    # tests/test_sft.py::test_moe_expert_parallel_matches_single_process fails.
     module.maybe_move_tensor_to_cpu = _split_sizes_on_host
 
 

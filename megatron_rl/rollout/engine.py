@@ -100,6 +100,17 @@ def _fast_sampling_controller_class():
     return FastSamplingController
 
 
+def _drop_inference_buffers():
+    """megatron's global memory buffer (the sequence-parallel all-gather's scratch space) grows
+    lazily; what it allocated during the rollout are inference tensors, which training may not
+    write to. Drop them: training allocates its own."""
+    from megatron.core.parallel_state import get_global_memory_buffer
+
+    buffers = get_global_memory_buffer().buffer
+    for key in [k for k, t in buffers.items() if t.is_inference()]:
+        del buffers[key]
+
+
 class RolloutEngine:
     def __init__(self, model_chunks: list, model_cfg, tokenizer, rollout: RolloutConfig, dtype: torch.dtype,
                  stop_at_eos: bool = True):
@@ -173,6 +184,7 @@ class RolloutEngine:
         finally:
             for chunk in self.chunks:
                 chunk.train()
+            _drop_inference_buffers()
         samples = [done[i] for i in order]
         completions = [list(r.generated_tokens) for r in samples]
         return Rollout(

@@ -34,8 +34,9 @@ class Trainee:
             chunk.eval()
 
 
-def build_model(cfg: Config, wrap_ddp: bool = True):
-    """GPTModel chunks for this rank's pipeline stage(s); DDP-wrapped for training."""
+def build_model(cfg: Config, wrap_ddp: bool = True, meta: bool = False):
+    """GPTModel chunks for this rank's pipeline stage(s); DDP-wrapped for training. meta: shapes
+    only (call under torch.device("meta"), for planning)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
@@ -50,6 +51,8 @@ def build_model(cfg: Config, wrap_ddp: bool = True):
         warnings.warn(f"train.fp8={cfg.train.fp8} needs Transformer Engine, which is not installed: GEMMs run in "
                       f"{str(dtype).removeprefix('torch.')}.", stacklevel=2)
     tconfig = provider.transformer_config()
+    if meta:  # initialization on the meta device is free, and it marks which weights TP shards
+        tconfig.use_cpu_initialization = True
     vpp = cfg.parallel.vpp
     chunks = []
     for vp_stage in range(vpp):
@@ -60,7 +63,7 @@ def build_model(cfg: Config, wrap_ddp: bool = True):
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             vp_stage=stage,
         ))
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and not meta:
         for chunk in chunks:
             chunk.cuda(torch.cuda.current_device())
     if dtype != torch.float32:

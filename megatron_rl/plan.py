@@ -1,0 +1,227 @@
+"""Per-rank memory and FLOPs of a recipe's layout, without its hardware.
+
+One CPU process joins a fake process group of the recipe's world size once per pipeline stage, as
+the first rank of that stage (tensor, context and data rank 0), and builds that rank's model
+chunks on the meta device: the exact parameters megatron-core would place there, in well under a
+second for a 100B+ MoE. From them, per rank: bytes of weights, gradients and optimizer state, plus
+estimates of activations and the rollout KV cache, against the GPU's memory.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_rl import platform  # noqa: F401  (CPU stand-ins for megatron-core, before it is imported)
+from megatron_rl.config import Config
+
+GPUS = {"h100": 80, "h200": 141, "b200": 180, "gb200": 186}
+"""GPU memory in GB (1e9 bytes) per device."""
+GPU_BF16_TFLOPS = {"h100": 989, "h200": 989, "b200": 2250, "gb200": 2500}
+"""Dense bf16 peak per device, for the time a step's FLOPs take at a given utilization."""
+RUNTIME_RESERVE = 5e9
+"""CUDA context, NCCL buffers and allocator fragmentation: a rule-of-thumb allowance per GPU."""
+
+
+@dataclass
+class StagePlan:
+    """The first rank of one pipeline stage. Byte counts are exact for weights, gradients and
+    optimizer state (megatron's buffers without their alignment padding); activations and KV cache
+    are estimates."""
+
+    stage: int
+    rank: int
+    layers: int
+    params: int  # on this rank
+    expert_params: int  # of which in MoE experts (sharded over expert parallelism)
+    weights: int  # bytes
+    grads: int
+    optimizer: int
+    activations: int
+    kv_cache: int
+    reserve: int = RUNTIME_RESERVE
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.activations + self.kv_cache + self.reserve
+
+
+@dataclass
+class Plan:
+    recipe: str
+    world_size: int
+    gpu: str
+    stages: list[StagePlan] = field(default_factory=list)
+    total_params: int = 0  # of the whole model
+    active_params: int = 0  # per token (MoE: the routed top-k of the experts)
+    train_flops: float = 0.0  # per optimizer step, all ranks
+    rollout_flops: float = 0.0  # per step's rollouts and logprob passes, all ranks
+
+    @property
+    def gpu_bytes(self) -> float:
+        return GPUS[self.gpu] * 1e9
+
+    @property
+    def fits(self) -> bool:
+        return all(s.total <= self.gpu_bytes for s in self.stages)
+
+
+def _dtype_bytes(cfg: Config) -> int:
+    return 4 if cfg.train.precision == "fp32" else 2  # 'auto' is bf16 on a GPU
+
+
+def stage_ranks(cfg: Config, world_size: int) -> list[int]:
+    """The global rank of each pipeline stage's first rank (megatron's tp-cp-ep-dp-pp order: the
+    pipeline rank varies slowest)."""
+    per_stage = world_size // cfg.parallel.pp
+    return [stage * per_stage for stage in range(cfg.parallel.pp)]
+
+
+def _build_on_meta(cfg: Config, rank: int, world_size: int):
+    """This rank's model chunks on the meta device, under a fake process group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from megatron_rl.training.setup import build_model
+
+    if dist.is_initialized():
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    p = cfg.parallel
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
+        virtual_pipeline_model_parallel_size=p.vpp if p.vpp > 1 else None, context_parallel_size=p.cp,
+        expert_model_parallel_size=p.ep, expert_tensor_parallel_size=p.etp or None,
+        create_gloo_process_groups=False)
+    with torch.device("meta"):
+        chunks, _ = build_model(cfg, wrap_ddp=False, meta=True)
+    return chunks
+
+
+def _is_expert(param) -> bool:
+    return not getattr(param, "allreduce", True)  # megatron marks expert parameters allreduce=False
+
+
+def _layers(chunks) -> int:
+    return sum(len(getattr(c, "module", c).decoder.layers) for c in chunks)  # under Float16Module for bf16
+
+
+def activation_bytes(cfg: Config, layers: int, stage: int) -> int:
+    """Activations kept for the backward on one rank, for its in-flight microbatches (1F1B keeps
+    pp - stage of them), without recompute. Per token and layer in the model dtype: about 6h for
+    attention's inputs and outputs (flash attention keeps no scores) and 4f for the MLP (f: the
+    FFN width a token goes through, top-k experts for MoE); sharded over TP with sequence
+    parallelism, and over CP. The last stage adds the fp32 logits."""
+    m, p = cfg.model, cfg.parallel
+    tokens = cfg.data.micro_batch_size * cfg.data.seq_length
+    ffn = m.moe_topk * m.moe_ffn_hidden_size + m.moe_shared_ffn_hidden_size if m.num_experts else m.ffn_hidden_size
+    per_layer = tokens * (6 * m.hidden_size + 4 * ffn) * _dtype_bytes(cfg)
+    split = p.cp * (p.tp if p.sp else 1)
+    if cfg.train.recompute == "full":
+        per_layer = tokens * m.hidden_size * _dtype_bytes(cfg)  # only each layer's input is kept
+    in_flight = p.pp - stage  # 1F1B's warm-up depth: an upper bound
+    logits = tokens * m.vocab_size * 4 // (p.tp * p.cp) if stage == p.pp - 1 else 0
+    return (layers * per_layer // split) * in_flight + logits
+
+
+def kv_cache_bytes(cfg: Config, layers: int) -> int:
+    """The rollout engine's KV cache on one rank: all max_requests at max_sequence_length, or the
+    configured reservation (rollout.kv_cache_gb) if larger. The per-token size is what our engine
+    asks megatron's dynamic context for (MLA caches full keys/values per head)."""
+    r = cfg.rollout
+    needed = kv_bytes_per_token(cfg, layers) * r.max_requests * r.max_sequence_length
+    return max(needed, int(r.kv_cache_gb * 1024**3))
+
+
+def kv_bytes_per_token(cfg: Config, layers: int) -> int:
+    """Keys and values of one token in the rollout engine's cache on one rank."""
+    m = cfg.model
+    heads = m.num_attention_heads if m.multi_latent_attention else (m.num_query_groups or m.num_attention_heads)
+    channels = (m.qk_head_dim + m.qk_pos_head_dim) if m.multi_latent_attention else (
+        m.head_dim or m.hidden_size // m.num_attention_heads)
+    return 2 * layers * max(1, heads // cfg.parallel.tp) * channels * _dtype_bytes(cfg)
+
+
+def plan(cfg: Config, world_size: int = 0, gpu: str = "h100") -> Plan:
+    """The per-stage plan of `cfg` on `world_size` GPUs (0: tp x pp x cp x dp of the recipe)."""
+    p = cfg.parallel
+    world_size = world_size or p.tp * p.pp * p.cp * max(p.dp, 1)
+    cfg.validate(world_size)
+    dp = p.data_parallel_size(world_size)
+    expert_dp = world_size // (p.pp * p.ep * (p.etp or p.tp))
+    wbytes = _dtype_bytes(cfg)
+    # Adam: fp32 exp_avg and exp_avg_sq, plus an fp32 main copy of low-precision weights.
+    state = (8 if cfg.optimizer.name == "adam" else 0) + (4 if wbytes < 4 else 0)
+    result = Plan(cfg.recipe, world_size, gpu)
+    dense_total = expert_total = 0
+    for stage, rank in enumerate(stage_ranks(cfg, world_size)):
+        chunks = _build_on_meta(cfg, rank, world_size)
+        params = [q for c in chunks for q in c.parameters()]
+        n = sum(q.numel() for q in params)
+        experts = sum(q.numel() for q in params if _is_expert(q))
+        shard = (lambda k, group: k // group) if cfg.optimizer.distributed else (lambda k, group: k)
+        optimizer = state * (shard(n - experts, dp) + shard(experts, expert_dp))
+        layers = _layers(chunks)
+        result.stages.append(StagePlan(
+            stage=stage, rank=rank, layers=layers, params=n, expert_params=experts, weights=n * wbytes,
+            grads=n * 4,  # gradients are reduced and kept in fp32 (grad_reduce_in_fp32)
+            optimizer=optimizer, activations=activation_bytes(cfg, layers, stage),
+            kv_cache=kv_cache_bytes(cfg, layers)))
+        # The whole model: TP-sharded parameters exist tp times, experts ep x etp times.
+        etp = p.etp or p.tp
+        for q in params:
+            if _is_expert(q):
+                expert_total += q.numel() * p.ep * (etp if getattr(q, "tensor_model_parallel", False) else 1)
+            else:
+                dense_total += q.numel() * (p.tp if getattr(q, "tensor_model_parallel", False) else 1)
+    _shutdown()
+    m = cfg.model
+    result.total_params = dense_total + expert_total
+    routed = m.moe_topk / m.num_experts if m.num_experts else 1.0
+    result.active_params = int(dense_total + expert_total * routed)
+    result.train_flops, result.rollout_flops = step_flops(cfg, result.active_params)
+    return result
+
+
+def step_flops(cfg: Config, active_params: int) -> tuple[float, float]:
+    """Model FLOPs of one step over all ranks: training (6 x active parameters per token, forward
+    and backward, over the step's samples at seq_length tokens, times epochs), and rollouts (2 x per
+    generated or re-scored token: generation, the old-policy pass, and the reference pass with KL).
+    Attention's quadratic term is left out (short RL sequences)."""
+    a, r = cfg.algorithm, cfg.rollout
+    if a.name == "grpo":
+        samples = a.prompts_per_step * r.n
+        train = 6 * active_params * samples * cfg.data.seq_length * a.epochs
+        passes = 1 + (a.kl_coef > 0)
+        rollout = 2 * active_params * samples * (r.max_new_tokens + passes * cfg.data.seq_length)
+        return float(train), float(rollout)
+    return float(6 * active_params * cfg.data.global_batch_size * cfg.data.seq_length), 0.0
+
+
+def _shutdown():
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def format_plan(result: Plan) -> str:
+    gb = lambda b: f"{b / 1e9:8.1f}"  # noqa: E731
+    lines = [f"recipe {result.recipe}: {result.world_size} GPUs ({result.gpu}, {GPUS[result.gpu]} GB each); model "
+             f"{result.total_params / 1e9:.1f}B parameters, {result.active_params / 1e9:.1f}B active per token",
+             "", "stage  rank layers  params(B)  weights  grads  optimizer  activations  kv-cache  reserve    total (GB)"]
+    for s in result.stages:
+        lines.append(f"{s.stage:5d} {s.rank:5d} {s.layers:6d} {s.params / 1e9:10.2f} {gb(s.weights)} {gb(s.grads)}"
+                     f" {gb(s.optimizer)}   {gb(s.activations)}  {gb(s.kv_cache)} {gb(s.reserve)} {gb(s.total)}")
+    worst = max(result.stages, key=lambda s: s.total)
+    peak = GPU_BF16_TFLOPS[result.gpu] * 1e12 * result.world_size
+    total = result.train_flops + result.rollout_flops
+    lines += ["", f"model FLOPs per step: training {result.train_flops:.3g}, rollout and logprob passes "
+                  f"{result.rollout_flops:.3g}; at 40% of the bf16 peak: {total / (0.4 * peak):.1f} s per step",
+              ("FITS" if result.fits else "DOES NOT FIT") + f": the fullest rank (stage {worst.stage}) needs "
+              f"{worst.total / 1e9:.1f} of {GPUS[result.gpu]} GB"
+              + ("" if result.fits else "; raise tp/pp/ep, use train.recompute=full or the distributed optimizer.")]
+    return "\n".join(lines)
