@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export PYTHONWARNINGS := ignore
 
-.PHONY: demo test install test-fast clean
+.PHONY: demo demo-moe test install test-fast clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,11 @@ install: $(VENV)/.installed
 demo: install
 	$(BIN)/python train.py --recipe tiny_sft
 	$(BIN)/python train.py --recipe tiny_grpo
+
+# The same with a tiny Qwen3-MoE model and rollout router replay (plot: runs/tiny_moe_grpo/plot.png).
+demo-moe: install
+	$(BIN)/python train.py --recipe tiny_moe_sft
+	$(BIN)/python train.py --recipe tiny_moe_grpo
 
 test: install
 	$(BIN)/python -m pytest -q tests

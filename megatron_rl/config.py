@@ -290,6 +290,9 @@ class AlgorithmConfig:
     """GRPO: prompts per step over all data-parallel ranks; each gets rollout.n samples."""
     minibatches: int = 1
     """GRPO: optimizer steps per rollout batch per epoch (the batch is split into this many)."""
+    router_replay: bool = False
+    """GRPO with MoE: the experts each token was routed to in the rollout are used in the old-policy,
+    reference and training forwards and the backward (R3); off: their mismatch is measured."""
     epochs: int = 1
     """GRPO: passes over each rollout batch; the rollout-time policy stays the old policy."""
     clip_low: float = 0.2
@@ -491,6 +494,8 @@ class Config:
         if a.ratio_level == "sequence" and a.mismatch_correction.startswith("token"):
             raise ConfigError("a sequence-level ratio (GSPO) needs a sequence-level mismatch correction: use "
                               "algorithm.mismatch_correction=sequence_truncate or sequence_mask.")
+        if a.router_replay and not self.model.num_experts:
+            raise ConfigError("algorithm.router_replay=true needs an MoE model (model.num_experts > 0).")
         if self.parallel.cp > 1 and (a.ratio_level == "sequence" or a.mismatch_correction.startswith("sequence")):
             raise ConfigError("sequence-level ratios (algorithm.ratio_level=sequence, sequence mismatch corrections) "
                               "need each sequence whole on one rank; use parallel.cp=1 with them.")

@@ -96,3 +96,36 @@ def tiny_gdpo() -> Config:
 def tiny_grpo_is() -> Config:
     """GRPO with rollout/train mismatch correction: truncated per-token importance weights."""
     return _tiny_variant(mismatch_correction="token_truncate", mismatch_threshold=2.0)
+
+
+def tiny_moe_model() -> ModelConfig:
+    """Qwen3-MoE-shaped: q/k norms, 8 experts of which each token uses 2."""
+    return ModelConfig(family="qwen", num_layers=2, hidden_size=128, ffn_hidden_size=512, num_attention_heads=4,
+                       num_query_groups=2, qk_layernorm=True, max_position_embeddings=64, num_experts=8,
+                       moe_ffn_hidden_size=128, moe_topk=2, moe_router_dtype="fp32", moe_capacity_factor=0.0,
+                       moe_aux_loss_type="aux_loss", moe_aux_loss_coeff=1e-3)
+
+
+@register
+def tiny_moe_sft() -> Config:
+    """tiny_sft with a 1M-parameter Qwen3-MoE-shaped model (8 experts, top-2): tiny_moe_grpo's start."""
+    cfg = tiny_sft()
+    cfg.model = tiny_moe_model()
+    return cfg
+
+
+@register
+def tiny_moe_grpo() -> Config:
+    """GRPO of the tiny MoE model from tiny_moe_sft's checkpoint, with rollout router replay (R3):
+    the experts chosen in the rollout are used in every training forward and backward.
+
+    Router settings RL users tune are model fields: moe_topk, moe_router_dtype, moe_capacity_factor
+    (0: no token dropping) and the aux loss (off here: replayed routing does not follow it).
+    """
+    cfg = tiny_grpo()
+    cfg.model = tiny_moe_model()
+    cfg.model.moe_aux_loss_type, cfg.model.moe_aux_loss_coeff = "none", 0.0
+    cfg.algorithm.router_replay = True
+    cfg.checkpoint.load = "runs/tiny_moe_sft"
+    cfg.train.max_steps, cfg.train.eval_every = 30, 10
+    return cfg

@@ -48,6 +48,11 @@ def test_contradictory_options_are_refused(overrides, message):
         apply_overrides(get_recipe("tiny_grpo"), overrides).validate(world_size=1)
 
 
+def test_router_replay_needs_moe():
+    with pytest.raises(ConfigError, match="router_replay=true needs an MoE model"):
+        apply_overrides(get_recipe("tiny_grpo"), ["algorithm.router_replay=true"]).validate(world_size=1)
+
+
 def test_sequence_ratios_refuse_context_parallel():
     cfg = apply_overrides(get_recipe("tiny_gspo"), ["parallel.cp=2"])
     with pytest.raises(ConfigError, match="need each sequence whole on one rank; use parallel.cp=1"):

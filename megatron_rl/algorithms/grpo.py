@@ -31,6 +31,7 @@ from megatron_rl.logging import RunLogger, plot_metrics
 from megatron_rl.profiling import Profiler
 from megatron_rl.rewards import RewardRunner
 from megatron_rl.rollout.engine import Rollout, RolloutEngine
+from megatron_rl.rollout.routing import RoutingTape, pack_routes
 from megatron_rl.training.logprobs import entropy, mask_padded_vocab, token_logprobs
 from megatron_rl.training.setup import build_model, build_trainee, compute_dtype, load_initial_state, write_run_assets
 from megatron_rl.training.step import cp_sum, first_cp_rank, forward_backward, optimizer_step, reduce_reports, zero_grads
@@ -74,9 +75,11 @@ def grpo_loss(cfg: Config, batch: dict, logits: torch.Tensor):
     return num, den.int(), report
 
 
-def logprobs_of(model_chunks: list, batch: dict, micro_batch_size: int, vocab_size: int) -> torch.Tensor:
+def logprobs_of(model_chunks: list, batch: dict, micro_batch_size: int, vocab_size: int, tape=None,
+                replay: bool = False) -> torch.Tensor:
     """Per-token logprobs of the labels (N, S) under `model_chunks`, from the training forward
-    (valid on the last pipeline stage; zeros elsewhere)."""
+    (valid on the last pipeline stage; zeros elsewhere). tape: the model's RoutingTape, replaying
+    the rollout's routes (or comparing with them)."""
     from types import SimpleNamespace
 
     out = torch.zeros_like(batch["loss_mask"])
@@ -86,9 +89,14 @@ def logprobs_of(model_chunks: list, batch: dict, micro_batch_size: int, vocab_si
         out[mb["index"][:, None], mb["positions"][None, :]] = lp
         return logits.sum() * 0, torch.tensor(1), {}
 
-    micro = microbatches({k: batch[k] for k in ("tokens", "labels", "index")}, micro_batch_size)
+    keys = ("tokens", "labels", "index", *(["routes", "fed"] if tape is not None else []))
+    micro = microbatches({k: batch[k] for k in keys}, micro_batch_size)
+    if tape is not None:
+        tape.queue(micro, replay)
     with torch.no_grad():
         forward_backward(SimpleNamespace(model=model_chunks), micro, capture, forward_only=True)
+    if tape is not None:
+        tape.finish()
     return cp_sum(out)  # each context-parallel rank filled the positions it holds
 
 
@@ -109,7 +117,8 @@ class Scored:
         rows = [g * n + j for g in groups for j in range(n)]
         r = self.rollout
         return Scored([self.prompts[g] for g in groups], [self.metadata[g] for g in groups],
-                      Rollout(*([getattr(r, f.name)[i] for i in rows] for f in fields(Rollout))),
+                      Rollout(*([getattr(r, f.name)[i] for i in rows] if getattr(r, f.name) else []
+                                for f in fields(Rollout))),  # routes: [] without MoE
                       self.rewards[rows], self.raw[rows], {k: v[rows] for k, v in self.components.items()},
                       self.failures, self.errors)
 
@@ -144,7 +153,8 @@ def score(cfg: Config, runner, tokenizer, prompts, metadata, rollout) -> Scored:
     return Scored(prompts, metadata, rollout, rewards, raw, components, scores.failures, scores.errors)
 
 
-def sample(cfg: Config, step: int, engine, runner, tokenizer, next_prompts, seed_offset: int) -> tuple[Scored, dict]:
+def sample(cfg: Config, step: int, engine, runner, tokenizer, next_prompts, seed_offset: int,
+           tape=None) -> tuple[Scored, dict]:
     """Roll out and score this rank's prompts. With dynamic sampling (DAPO), groups whose rewards
     are all equal carry no signal: fresh prompts are sampled, up to algorithm.dynamic_sampling_rounds
     extra rounds, until as many informative groups as prompts per step are found (a batch still
@@ -153,7 +163,7 @@ def sample(cfg: Config, step: int, engine, runner, tokenizer, next_prompts, seed
     parts, rounds = [], 0
     while True:
         prompts, metadata = next_prompts()
-        rollout = engine.generate(prompts, n=r.n, seed=r.seed + step * 7919 + seed_offset + 104729 * rounds)
+        rollout = engine.generate(prompts, n=r.n, seed=r.seed + step * 7919 + seed_offset + 104729 * rounds, tape=tape)
         parts.append(score(cfg, runner, tokenizer, prompts, metadata, rollout))
         if not a.dynamic_sampling:
             return parts[0], {}
@@ -231,6 +241,10 @@ def run(cfg: Config, run_dir: Path) -> dict:
             ref.load_state_dict(checkpointing.unwrap(chunk).state_dict())
             ref.eval()
     engine = RolloutEngine(trainee.model, cfg.model, tokenizer, r, compute_dtype(cfg))
+    tape = ref_tape = None
+    if cfg.model.num_experts:  # MoE: record the rollout's routing; replay it or measure the mismatch
+        tape = RoutingTape(trainee.model, cfg.model.moe_topk, cfg.parallel.sp)
+        ref_tape = RoutingTape(reference, cfg.model.moe_topk, cfg.parallel.sp) if reference is not None else None
     runner = RewardRunner(cfg.rewards.fn, cfg.rewards.timeout_s, cfg.rewards.workers, cfg.rewards.weights)
     log = RunLogger(run_dir, cfg.train.max_steps, step, enabled=dist.get_rank() == 0,
                     tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress, desc=cfg.recipe or "grpo")
@@ -246,7 +260,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
         times = {}
         t0 = time.perf_counter()
         with prof.range("rollout"):
-            scored, sampling_stats = sample(cfg, step, engine, runner, tokenizer, next_prompts, dp_rank)
+            scored, sampling_stats = sample(cfg, step, engine, runner, tokenizer, next_prompts, dp_rank, tape)
             rollout, rewards = scored.rollout, scored.raw
             advantages = advantages_of(cfg, scored)
         times["perf/time_rollout_s"] = time.perf_counter() - t0
@@ -256,15 +270,20 @@ def run(cfg: Config, run_dir: Path) -> dict:
             batch = rl_data.pack(rollout.prompts, rollout.completions, cfg.data.seq_length, tokenizer.pad_token_id,
                                  rollout_logp=rollout.logprobs)
             batch.update(index=torch.arange(len(rewards)), advantages=advantages)
-            batch["old_logp"] = logprobs_of(trainee.model, batch, cfg.data.micro_batch_size, cfg.model.vocab_size)
+            if tape is not None:
+                fed = [len(p) + len(c) - 1 for p, c in zip(rollout.prompts, rollout.completions)]
+                batch.update(pack_routes(rollout.routes, fed, cfg.data.seq_length))
+            batch["old_logp"] = logprobs_of(trainee.model, batch, cfg.data.micro_batch_size, cfg.model.vocab_size,
+                                            tape, a.router_replay)
             if reference is not None:
-                batch["ref_logp"] = logprobs_of(reference, batch, cfg.data.micro_batch_size, cfg.model.vocab_size)
+                batch["ref_logp"] = logprobs_of(reference, batch, cfg.data.micro_batch_size, cfg.model.vocab_size,
+                                                ref_tape, a.router_replay)
             mismatch = mismatch_stats(batch)
         times["perf/time_logprob_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         with prof.range("train"):
-            train_metrics = train_on(trainee, cfg, batch)
+            train_metrics = train_on(trainee, cfg, batch, tape)
         times["perf/time_train_s"] = time.perf_counter() - t0
         step += 1
 
@@ -275,7 +294,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
                            "rollout/response_len_mean": float(generated),
                            "rollout/truncated_frac": float(sum(rollout.truncated)),
                            "rollout/reward_failure_frac": float(scored.failures)}, n_local),
-            **sampling_stats, **mismatch, **train_metrics, **times,
+            **sampling_stats, **mismatch, **train_metrics, **times, **routing_stats(tape, a.router_replay),
             "perf/rollout_tokens_per_s": generated * dp / times["perf/time_rollout_s"],
             "perf/train_tokens_per_s": batch["loss_mask"].sum().item() * dp * a.epochs / times["perf/time_train_s"],
             "train/lr": trainee.scheduler.get_lr(trainee.optimizer.param_groups[0]),
@@ -300,6 +319,20 @@ def run(cfg: Config, run_dir: Path) -> dict:
     return log.last if dist.get_rank() == 0 else metrics
 
 
+def routing_stats(tape, replay: bool) -> dict:
+    """moe/routing_replay_frac (token-layer choices of the training-side forwards taken from the
+    rollout, over those of the tokens the rollout fed: 1 when replay is complete) or, replay off,
+    moe/routing_mismatch_frac (such choices that differ from the rollout's); over all ranks."""
+    if tape is None:
+        return {}
+    c = tape.take_counts()
+    t = torch.tensor([c["replayed"], c["routed"], c["mismatched"], c["compared"]], dtype=torch.float64)
+    dist.all_reduce(t)
+    if replay:
+        return {"moe/routing_replay_frac": (t[0] / t[1].clamp(min=1)).item()}
+    return {"moe/routing_mismatch_frac": (t[2] / t[3].clamp(min=1)).item()}
+
+
 def mismatch_stats(batch: dict) -> dict:
     """How far the rollout's logprobs are from the training forward's, over generated tokens."""
     from megatron.core import parallel_state as ps
@@ -316,14 +349,14 @@ def mismatch_stats(batch: dict) -> dict:
     return {"rollout/logprob_mismatch_max": top.item(), "rollout/logprob_mismatch_mean": (stats[1] / stats[2].clamp(min=1)).item()}
 
 
-def train_on(trainee, cfg: Config, batch: dict) -> dict:
+def train_on(trainee, cfg: Config, batch: dict, tape=None) -> dict:
     """algorithm.epochs passes of algorithm.minibatches optimizer steps over this rank's batch."""
     a = cfg.algorithm
     n = len(batch["tokens"])
     per_minibatch = n // a.minibatches
     loss_fn = partial(grpo_loss, cfg)
     keys = ["tokens", "labels", "loss_mask", "old_logp", "advantages", *(["ref_logp"] if a.kl_coef else []),
-            *(["rollout_logp"] if a.mismatch_correction != "none" else [])]
+            *(["rollout_logp"] if a.mismatch_correction != "none" else []), *(["routes", "fed"] if tape is not None else [])]
     sums, grad_norms = {}, []
     order = torch.arange(n)
     for epoch in range(a.epochs):
@@ -333,7 +366,11 @@ def train_on(trainee, cfg: Config, batch: dict) -> dict:
             idx = order[m * per_minibatch : (m + 1) * per_minibatch]
             zero_grads(trainee)
             micro = microbatches({k: batch[k][idx] for k in keys}, cfg.data.micro_batch_size)
+            if tape is not None:
+                tape.queue(micro, a.router_replay)
             report = reduce_reports(forward_backward(trainee, micro, loss_fn))
+            if tape is not None:
+                tape.finish()
             _, grad_norm = optimizer_step(trainee)
             grad_norms.append(grad_norm)
             for k, v in report.items():

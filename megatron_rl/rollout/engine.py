@@ -6,7 +6,7 @@ torch.inference_mode and hands the model back in train mode. The KV cache is pag
 batching is continuous: a finished sequence leaves the batch at once and stops costing compute.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,7 @@ class Rollout:
     completions: list[list[int]]  # generated token ids (eos included when produced)
     logprobs: list[list[float]]  # log p of each generated token under the sampling distribution
     truncated: list[bool]  # stopped by the token budget, not by eos or a stop string
+    routes: list = field(default_factory=list)  # MoE with a routing tape: per sample, experts of each fed token (tokens, layers, topk)
 
     @property
     def lengths(self) -> list[int]:
@@ -161,8 +162,10 @@ class RolloutEngine:
             skip_prompt_log_probs=True, termination_id=self.termination_id,
             stop_words=list(r.stop) or None)
 
-    def generate(self, prompts: list[list[int]], n: int = 1, seed: int = 0, greedy: bool = False) -> Rollout:
-        """n samples for each prompt (token ids), reproducible for a given seed."""
+    def generate(self, prompts: list[list[int]], n: int = 1, seed: int = 0, greedy: bool = False,
+                 tape=None) -> Rollout:
+        """n samples for each prompt (token ids), reproducible for a given seed. tape: a RoutingTape
+        of the model, which then records the experts every MoE layer chose for every token fed."""
         params = self.sampling_params(greedy)
         self.engine.reset()
         self.controller.sampling_rng.manual_seed(seed)
@@ -176,6 +179,8 @@ class RolloutEngine:
                     self.engine.add_request(request_id, list(prompt), params)
                     order.append(request_id)
             done = {}
+            if tape is not None:
+                tape.start_recording(self.context)
             with torch.inference_mode():
                 while self.engine.has_unfinished_requests():
                     for record in self.engine.step_modern()["finished_request_records"]:
@@ -186,12 +191,15 @@ class RolloutEngine:
                 chunk.train()
             _drop_inference_buffers()
         samples = [done[i] for i in order]
+        prompt_ids = [r.prompt_tokens.tolist() for r in samples]
         completions = [list(r.generated_tokens) for r in samples]
+        fed = [len(p) + len(c) - 1 for p, c in zip(prompt_ids, completions)]  # the last token is never fed
         return Rollout(
-            prompts=[r.prompt_tokens.tolist() for r in samples],
+            prompts=prompt_ids,
             completions=completions,
             logprobs=[[float(x) for x in (r.generated_log_probs or [])] for r in samples],
-            truncated=[len(c) >= self.cfg.max_new_tokens and not self._ended(c) for c in completions])
+            truncated=[len(c) >= self.cfg.max_new_tokens and not self._ended(c) for c in completions],
+            routes=tape.collect(order, fed) if tape is not None else [])
 
     def _ended(self, completion: list[int]) -> bool:
         """Whether generation stopped by itself: eos, or a stop string at the end."""

@@ -1,0 +1,180 @@
+"""MoE rollout router replay (R3): the experts chosen during the rollout are used in training.
+
+Each MoE router of megatron-core picks its top-k experts through `router.router_replay` when one
+is set (megatron's RouterReplay hook). `RoutingTape` installs its own object on every router of a
+model (megatron's keeps all instances of the process in one global list, which a second model, the
+reference policy, would mix up):
+
+- record: during the rollout (prefill and every decode step) it keeps the experts of each token
+  the engine fed, keyed by (request id, position) from the dynamic context;
+- replay: for each training-side forward (old policy, reference, training), `queue` loads each
+  microbatch's routes cut as the router sees its tokens (sequence-major; this rank's context- and
+  sequence-parallel share); forwards take them in microbatch order, and a forward that autograd
+  re-runs inside the backward (activation recompute) takes them again in the same order;
+- observe (replay off): it compares the training forward's own choices with the rollout's, for
+  `moe/routing_mismatch_frac`.
+
+Routes are -1 where the rollout fed no token (the last generated token, padding); replay uses
+experts 0..k-1 there, whose outputs reach no loss term (causal attention, masked labels).
+"""
+
+from collections import deque
+
+import torch
+
+
+class LayerTape:
+    """One router's queues (duck-types megatron's RouterReplay.get_replay_topk)."""
+
+    def __init__(self, tape: "RoutingTape", layer: int):
+        self.tape, self.layer = tape, layer
+        self.forward: deque = deque()  # (experts, valid, fed) per microbatch forward, in schedule order
+        self.backward: deque = deque()  # the same, for forwards re-run inside the backward
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        tape = self.tape
+
+        def own_choice():
+            return default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+
+        if tape.mode == "record":
+            probs, chosen = own_choice()
+            tape.record(self.layer, chosen)
+            return probs, chosen
+        if tape.mode not in ("replay", "observe"):
+            return own_choice()
+        in_backward = torch._C._current_graph_task_id() != -1  # a forward re-run by activation recompute
+        queue = self.backward if in_backward else self.forward
+        if not queue:
+            raise RuntimeError(f"router replay: no routes queued for this forward of MoE layer {self.layer}.")
+        experts, valid, fed = queue.popleft()
+        if not in_backward:
+            self.backward.append((experts, valid, fed))
+        experts = experts.to(scores.device)
+        if tape.mode == "replay":
+            if in_backward:
+                tape.count(recomputed=int((valid & fed).sum()))
+            else:
+                tape.count(replayed=int((valid & fed).sum()), routed=int(fed.sum()))
+            return scores.gather(1, experts), experts
+        probs, chosen = own_choice()
+        if not in_backward:
+            valid = valid & fed
+            same = (chosen.sort(dim=-1).values == experts.sort(dim=-1).values).all(dim=-1)
+            tape.count(mismatched=int((~same & valid.to(same.device)).sum()), compared=int(valid.sum()))
+        return probs, chosen
+
+
+class RoutingTape:
+    """Router record/replay for one model (its chunks on this rank)."""
+
+    def __init__(self, model_chunks: list, topk: int, sequence_parallel: bool):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.topk, self.sequence_parallel = topk, sequence_parallel
+        self.mode = None
+        self.layers: list[LayerTape] = []
+        for chunk in model_chunks:
+            for module in chunk.modules():
+                if isinstance(module, TopKRouter):
+                    module.router_replay = LayerTape(self, len(self.layers))
+                    self.layers.append(module.router_replay)
+        self.context = None
+        self.records: list[list] = []
+        self.counts = dict.fromkeys(("replayed", "routed", "recomputed", "mismatched", "compared"), 0)
+
+    def count(self, **amounts):
+        for k, v in amounts.items():
+            self.counts[k] += v
+
+    def take_counts(self) -> dict:
+        counts, self.counts = self.counts, dict.fromkeys(self.counts, 0)
+        return counts
+
+    # --- rollout -------------------------------------------------------------------------------
+    def start_recording(self, context):
+        self.mode, self.context = "record", context
+        self.records = [[] for _ in self.layers]
+
+    def record(self, layer: int, experts: torch.Tensor):
+        """The experts of one engine step's tokens, with whose tokens they are. With sequence
+        parallelism this TP rank routed a slice of the step's (padded) tokens."""
+        from megatron.core import parallel_state as ps
+
+        c = self.context
+        rows = experts.shape[0]
+        start = ps.get_tensor_model_parallel_rank() * rows if rows < c.padded_active_token_count else 0
+        span = torch.arange(start, start + rows, device=experts.device)
+        valid = span < c.active_token_count
+        span = span[valid]
+        requests = c.request_ids[c.token_to_request_idx[span]]
+        self.records[layer].append((requests.cpu(), c.token_to_pos_ids[span].cpu(), experts[valid].cpu()))
+
+    def collect(self, request_ids: list[int], fed: list[int]) -> list[torch.Tensor]:
+        """Per request, its recorded experts (fed tokens, layers, topk), -1 where none; merged over
+        the tensor-parallel group (with sequence parallelism each rank recorded a slice)."""
+        from megatron.core import parallel_state as ps
+
+        self.mode, self.context = None, None
+        index = {r: i for i, r in enumerate(request_ids)}
+        out = torch.full((len(request_ids), max(fed, default=0), len(self.layers), self.topk), -1, dtype=torch.long)
+        for layer, records in enumerate(self.records):
+            for requests, positions, experts in records:
+                rows = torch.tensor([index.get(int(r), -1) for r in requests], dtype=torch.long)
+                keep = (rows >= 0) & (positions < out.shape[1])
+                out[rows[keep], positions[keep], layer] = experts[keep].long()
+        self.records = []
+        if ps.get_tensor_model_parallel_world_size() > 1:  # recorded entries are >= 0 > -1
+            torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX,
+                                         group=ps.get_tensor_model_parallel_group())
+        return [out[i, :n] for i, n in enumerate(fed)]
+
+    # --- training ------------------------------------------------------------------------------
+    def queue(self, micro: list[dict], replay: bool):
+        """Load each microbatch's routes (mb["routes"]: (B, S, layers, topk), -1 where unknown) for
+        the forwards that follow: replayed, or compared with the forward's own choices. mb["fed"]
+        (B, S) marks the positions the rollout fed a token at (for the replay share)."""
+        from megatron.core import parallel_state as ps
+
+        from megatron_rl.training.step import cp_share
+
+        self.mode = "replay" if replay else "observe"
+        self.clear_queues()
+        tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        default = torch.arange(self.topk)
+        for mb in micro:
+            routes, fed = mb["routes"], mb["fed"]
+            if ps.get_context_parallel_world_size() > 1:
+                share = cp_share({"tokens": mb["tokens"], "routes": routes, "fed": fed})
+                routes, fed = share["routes"], share["fed"]
+            if self.sequence_parallel and tp > 1:
+                s = routes.shape[1] // tp
+                routes, fed = routes[:, tp_rank * s:(tp_rank + 1) * s], fed[:, tp_rank * s:(tp_rank + 1) * s]
+            tokens_first = routes.transpose(0, 1).reshape(-1, len(self.layers), self.topk)  # [seq, batch] order
+            fed = fed.transpose(0, 1).reshape(-1)
+            valid = (tokens_first >= 0).all(dim=-1)  # (tokens, layers)
+            experts = torch.where(valid[..., None], tokens_first, default)
+            for layer in self.layers:
+                layer.forward.append((experts[:, layer.layer].contiguous(), valid[:, layer.layer], fed))
+
+    def finish(self):
+        self.mode = None
+        self.clear_queues()
+
+    def clear_queues(self):
+        for layer in self.layers:
+            layer.forward.clear()
+            layer.backward.clear()
+
+
+def pack_routes(routes: list[torch.Tensor], fed: list[int], seq_length: int) -> dict[str, torch.Tensor]:
+    """Per-sample routes (fed tokens, layers, topk) -> "routes" (N, seq_length, layers, topk), -1
+    padded: position j holds the experts of the token the training forward sees at j (rl.pack's
+    tokens); and "fed" (N, seq_length), the positions the rollout fed a token at."""
+    layers, topk = routes[0].shape[1:]
+    out = torch.full((len(routes), seq_length, layers, topk), -1, dtype=torch.long)
+    mask = torch.zeros(len(routes), seq_length, dtype=torch.bool)
+    for i, (r, n) in enumerate(zip(routes, fed)):
+        out[i, :min(len(r), seq_length)] = r[:seq_length]
+        mask[i, :min(n, seq_length)] = True
+    return {"routes": out, "fed": mask}

@@ -1,0 +1,104 @@
+"""Rollout router replay (R3) on a tiny Qwen3-MoE model, in any parallel layout (torchrun).
+
+    torchrun --nproc_per_node N tests/scripts/router_replay.py OUT_DIR [section.field=value ...]
+
+1. roll out with the routing tape recording;
+2. the old-policy forward, comparing its own routing with the rollout's token by token (this checks
+   the arrangement: padding, microbatches, pipeline stages, CP/SP splits): no difference;
+3. the same forward replaying the rollout's routes: logprobs equal to the rollout's;
+4. one GRPO optimizer step with replay and a large learning rate (the backward replays too, also
+   when activation recompute re-runs the forward);
+5. fresh routing now differs from the rollout's, while replay still uses exactly its experts.
+Writes OUT_DIR/result_rank{R}.json.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from megatron_rl import platform
+from megatron_rl.config import apply_overrides
+from megatron_rl.data import rl as rl_data
+from megatron_rl.data.tokenizer import build_char_tokenizer
+from recipes import get_recipe
+
+
+def main():
+    out_dir, overrides = Path(sys.argv[1]), sys.argv[2:]
+    cfg = apply_overrides(get_recipe("tiny_moe_grpo"), ["checkpoint.load=", "optimizer.lr=0.05", "optimizer.min_lr=0.05",
+                                                         "data.micro_batch_size=8", *overrides])
+    tokenizer = build_char_tokenizer("0123456789+=", out_dir / f"tokenizer{os.environ.get('RANK', '0')}")
+    cfg.model.vocab_size = len(tokenizer)
+    launch = platform.init_distributed()
+    cfg.validate(launch.world_size)
+    p = cfg.parallel
+    platform.init_model_parallel(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp or None)
+
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.algorithms.grpo import logprobs_of, train_on
+    from megatron_rl.rollout.engine import RolloutEngine
+    from megatron_rl.rollout.routing import RoutingTape, pack_routes
+    from megatron_rl.training.setup import build_trainee
+
+    trainee = build_trainee(cfg)
+    engine = RolloutEngine(trainee.model, cfg.model, tokenizer, cfg.rollout, torch.float32)
+    tape = RoutingTape(trainee.model, cfg.model.moe_topk, p.sp)
+    g = torch.Generator().manual_seed(0)
+    prompts = [[tokenizer.bos_token_id] + torch.randint(3, 15, (int(n),), generator=g).tolist()
+               for n in torch.randint(3, 8, (8,), generator=g)]
+    rollout = engine.generate(prompts, n=2, seed=0, tape=tape)
+    fed = [len(a) + len(b) - 1 for a, b in zip(rollout.prompts, rollout.completions)]
+    batch = rl_data.pack(rollout.prompts, rollout.completions, cfg.data.seq_length, tokenizer.pad_token_id,
+                         rollout_logp=rollout.logprobs)
+    batch.update(index=torch.arange(len(fed)), advantages=torch.randn(len(fed), generator=g),
+                 **pack_routes(rollout.routes, fed, cfg.data.seq_length))
+    mbs, vocab = cfg.data.micro_batch_size, cfg.model.vocab_size
+    last = ps.is_pipeline_last_stage(ignore_virtual=True)
+    mask = batch["loss_mask"] > 0
+
+    def counts():
+        c = tape.take_counts()
+        t = torch.tensor(list(c.values()), dtype=torch.float64)
+        torch.distributed.all_reduce(t)
+        return dict(zip(c, t.tolist()))
+
+    result = {"recorded_positions": int(sum((r >= 0).all(-1).all(-1).sum() for r in rollout.routes))}
+    logprobs_of(trainee.model, batch, mbs, vocab, tape, replay=False)
+    result["before_update_observe"] = counts()
+    replayed = logprobs_of(trainee.model, batch, mbs, vocab, tape, replay=True)
+    result["before_update_replay"] = counts()
+    result["logprob_diff_replay"] = (replayed - batch["rollout_logp"]).abs()[mask].max().item() if last else 0.0
+
+    batch["old_logp"] = replayed
+    used = []  # the experts every replaying router call returned, with what was queued for it
+    originals = {}
+    for layer in tape.layers:
+        originals[layer] = layer.get_replay_topk
+
+        def spy(*args, _layer=layer, **kwargs):
+            queued = _layer.forward[0] if _layer.forward and torch._C._current_graph_task_id() == -1 else None
+            probs, experts = originals[_layer](*args, **kwargs)
+            if queued is not None:
+                used.append(bool(((experts == queued[0]).all(-1) | ~queued[1]).all()))
+            return probs, experts
+        layer.get_replay_topk = spy
+    train_on(trainee, cfg, batch, tape)
+    result["train_replay"] = counts()
+    result["train_forwards_used_recorded"] = all(used) and len(used) > 0
+
+    logprobs_of(trainee.model, batch, mbs, vocab, tape, replay=False)
+    result["after_update_observe"] = counts()
+    used.clear()
+    logprobs_of(trainee.model, batch, mbs, vocab, tape, replay=True)
+    result["after_update_replay"] = counts()
+    result["after_update_used_recorded"] = all(used) and len(used) > 0
+    (out_dir / f"result_rank{torch.distributed.get_rank()}.json").write_text(json.dumps(result))
+    platform.shutdown()
+
+
+if __name__ == "__main__":
+    main()

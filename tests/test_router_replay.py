@@ -1,0 +1,39 @@
+"""MoE rollout router replay (R3): recorded in the rollout, replayed in the old-policy and training
+forwards and the backward, in several parallel layouts (tests/scripts/router_replay.py)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT, free_port
+
+
+@pytest.mark.parametrize("layout, nproc", [(["train.recompute=full"], 1), (["parallel.ep=2"], 2),
+                                           (["parallel.pp=2"], 2), (["parallel.tp=2", "parallel.sp=true"], 2)],
+                         ids=["recompute", "ep2", "pp2", "tp2-sp"])
+def test_router_replay(layout, nproc, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+           "tests/scripts/router_replay.py", str(tmp_path), *layout]
+    env = {"PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin",
+           "OMP_NUM_THREADS": str(2 // nproc)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("result_rank*.json"))]
+    r = results[0]  # the counts are summed over ranks already
+    assert r["recorded_positions"] > 0
+    # Without an update the training forward routes as the rollout did, token by token: the routes
+    # are arranged as the routers see their tokens (padding, microbatches, stages, splits).
+    assert r["before_update_observe"]["compared"] > 0 and r["before_update_observe"]["mismatched"] == 0
+    assert r["before_update_replay"]["replayed"] == r["before_update_replay"]["routed"] > 0
+    assert max(x["logprob_diff_replay"] for x in results) <= 1e-5  # replayed forward = rollout logprobs
+    train = r["train_replay"]
+    assert train["replayed"] == train["routed"] > 0 and r["train_forwards_used_recorded"]
+    if "train.recompute=full" in layout:  # the backward re-ran every forward, replaying again
+        assert train["recomputed"] == train["replayed"]
+    # After a large optimizer step the router's own choices differ from the rollout's ...
+    assert r["after_update_observe"]["mismatched"] > 0.5 * r["after_update_observe"]["compared"]
+    # ... and replay still uses exactly the rollout's experts.
+    assert r["after_update_replay"]["replayed"] == r["after_update_replay"]["routed"] > 0
+    assert r["after_update_used_recorded"]
