@@ -269,9 +269,10 @@ class DataConfig:
     seed: int = 0
     """Seed for generating and shuffling data."""
 
-    def validate(self, dp: int = 1):
+    def validate(self, dp: int = 1, uses_global_batch: bool = True):
+        """uses_global_batch: SFT's batches; GRPO's come from algorithm.prompts_per_step x rollout.n."""
         _positive(self, "seq_length", "micro_batch_size", "global_batch_size")
-        if self.global_batch_size % (self.micro_batch_size * dp):
+        if uses_global_batch and self.global_batch_size % (self.micro_batch_size * dp):
             raise ConfigError(
                 f"data.global_batch_size={self.global_batch_size} is not divisible by data.micro_batch_size"
                 f" x data-parallel size = {self.micro_batch_size} x {dp}; make it a multiple of "
@@ -453,7 +454,7 @@ class Config:
         self.model.validate()
         self.parallel.validate(world_size, self.model)
         self.optimizer.validate()
-        self.data.validate(self.parallel.data_parallel_size(world_size))
+        self.data.validate(self.parallel.data_parallel_size(world_size), uses_global_batch=self.algorithm.name != "grpo")
         p = self.parallel
         split = (2 * p.cp if p.cp > 1 else 1) * (p.tp if p.sp else 1)
         if self.data.seq_length % split:

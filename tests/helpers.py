@@ -1,6 +1,7 @@
 """Run train.py as a user would: a subprocess, under torchrun for several ranks (gloo, real processes)."""
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -30,6 +31,12 @@ def run_train(args: list[str], nproc: int = 1, timeout: int = 600, check: bool =
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+def processes(layout: list[str]) -> int:
+    """The world size a layout of parallel.{tp,pp,cp,dp}=N overrides needs."""
+    return math.prod(int(o.split("=")[1]) for o in layout
+                     if o.split("=")[0] in ("parallel.tp", "parallel.pp", "parallel.cp", "parallel.dp"))
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -1,13 +1,12 @@
 """SFT end to end: learning, bitwise resume, and equal losses across parallel layouts (TP, SP, PP,
 VPP, CP, EP, DP with the distributed optimizer, TP x PP)."""
 
-import math
 import shutil
 
 import pytest
 
 from megatron_rl.checkpointing import checkpoint_dir
-from tests.helpers import column, metrics, run_train
+from tests.helpers import column, metrics, processes, run_train
 
 # Small and fast: a few thousand samples, short schedule fixed independently of max_steps.
 FAST = ["data.num_train=2000", "data.micro_batch_size=32", "data.num_val=128", "train.eval_every=0", "scheduler.decay_steps=100",
@@ -36,13 +35,6 @@ def reference(tmp_path_factory):
     run_train(["--recipe", "tiny_sft", *FAST, "train.max_steps=4", f"checkpoint.load={ckpt}",
                f"logging.run_dir={single}"])
     return ckpt, column(single, "train/loss"), column(single, "train/grad_norm"), single
-
-
-def processes(layout: list[str]) -> int:
-    """The world size a layout of parallel.{tp,pp,cp,dp}=N overrides needs."""
-    sizes = [int(o.split("=")[1]) for o in layout if o.split("=")[0] in ("parallel.tp", "parallel.pp", "parallel.cp",
-                                                                          "parallel.dp")]
-    return math.prod(sizes)
 
 
 # Loss tolerance: fp32 with a different reduction order (TP all-reduce, DP split, CP's split of each
@@ -122,14 +114,17 @@ def test_virtual_pipeline_matches_single_process(tmp_path):
 
 
 def test_moe_expert_parallel_matches_single_process(tmp_path):
-    """A Qwen3-MoE-shaped tiny model with megatron's alltoall token dispatcher: EP=2 on gloo gives
-    the single-process losses and gradient norms from the same weights."""
+    """A Qwen3-MoE-shaped tiny model with megatron's alltoall token dispatcher: EP=2 on gloo, and
+    TP=2 + SP with EP=2 and expert TP=1 (experts whole, spread over the TP ranks), give the
+    single-process losses and gradient norms from the same weights."""
     moe = [*FAST, "model.num_experts=4", "model.moe_ffn_hidden_size=128", "model.moe_topk=2",
            "model.moe_dispatcher=alltoall"]
     run_train(["--recipe", "tiny_sft", *moe, "train.max_steps=1", f"logging.run_dir={tmp_path / 'init'}"])
     start = [f"checkpoint.load={checkpoint_dir(tmp_path / 'init', 1)}", "checkpoint.save=false", "train.max_steps=3"]
     run_train(["--recipe", "tiny_sft", *moe, *start, f"logging.run_dir={tmp_path / 'single'}"])
-    run_train(["--recipe", "tiny_sft", *moe, *start, "parallel.ep=2", f"logging.run_dir={tmp_path / 'ep2'}"], nproc=2)
-    single, ep2 = tmp_path / "single", tmp_path / "ep2"
-    assert column(ep2, "train/loss") == pytest.approx(column(single, "train/loss"), rel=1e-5)
-    assert column(ep2, "train/grad_norm") == pytest.approx(column(single, "train/grad_norm"), rel=1e-4)
+    single = tmp_path / "single"
+    for name, layout in (("ep2", ["parallel.ep=2"]),
+                         ("tp2-sp-ep2-etp1", ["parallel.tp=2", "parallel.sp=true", "parallel.ep=2", "parallel.etp=1"])):
+        run_train(["--recipe", "tiny_sft", *moe, *start, *layout, f"logging.run_dir={tmp_path / name}"], nproc=2)
+        assert column(tmp_path / name, "train/loss") == pytest.approx(column(single, "train/loss"), rel=1e-5), name
+        assert column(tmp_path / name, "train/grad_norm") == pytest.approx(column(single, "train/grad_norm"), rel=1e-4)
