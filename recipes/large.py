@@ -47,7 +47,7 @@ def _qwen3_moe(layers, hidden, heads, experts_ffn) -> ModelConfig:
 def qwen3_30b_a3b_grpo() -> Config:
     """Qwen3-30B-A3B, GRPO on math: 2 nodes x 8 H100 (TP2 + SP, EP8, DP8).
 
-    GB200: one 8-GPU slice with the same layout at dp=4 (parallel.dp=4 algorithm.prompts_per_step=32).
+    GB200: 2 x 4-GPU trays, the same layout at parallel.dp=4 algorithm.prompts_per_step=32.
     """
     return _math_grpo(_qwen3_moe(48, 2048, 32, 768),
                       ParallelConfig(tp=2, sp=True, ep=8, etp=1, dp=8), prompts_per_step=64, max_requests=64,
@@ -58,7 +58,7 @@ def qwen3_30b_a3b_grpo() -> Config:
 def qwen3_235b_a22b_grpo() -> Config:
     """Qwen3-235B-A22B, GRPO on math: 16 nodes x 8 H100 (TP4 + SP, PP8 with 11/12/11 layers, EP8, DP4).
 
-    GB200: 8 x 4-GPU trays: parallel.pp=4 parallel.first_stage_layers=23 parallel.last_stage_layers=23
+    GB200: 16 x 4-GPU trays: parallel.pp=4 parallel.first_stage_layers=23 parallel.last_stage_layers=23
     parallel.dp=4 with --world-size 64.
     """
     return _math_grpo(_qwen3_moe(94, 4096, 64, 1536),
@@ -72,8 +72,8 @@ def deepseek_v3_grpo() -> Config:
     """DeepSeek-V3 (671B, MLA, 256 experts), GRPO on math: 32 nodes x 8 H100 (TP8 + SP, PP8 with
     7/8/6 layers, EP32, DP4), FP8 GEMMs where Transformer Engine is installed.
 
-    GB200: 18 x 4-GPU trays (NVL72): parallel.tp=4 parallel.dp=2 parallel.ep=8 with --world-size 64 is
-    what the plan accepts at 186 GB.
+    GB200: 32 x 4-GPU trays (two NVL72 racks): parallel.tp=4 parallel.dp=4 parallel.ep=16 with
+    --world-size 128.
     """
     model = ModelConfig(
         family="deepseek", num_layers=61, hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=128,
@@ -96,7 +96,7 @@ def nemotron_grpo() -> Config:
     """Nemotron-4-340B (dense; LayerNorm1P, squared ReLU, partial rotary), GRPO on math: 24 nodes x 8
     H100 (TP8 + SP, PP12, DP2).
 
-    GB200: 12 x 4-GPU trays: parallel.pp=6 parallel.dp=2 with --world-size 96.
+    GB200: 24 x 4-GPU trays: parallel.pp=6 parallel.dp=2 with --world-size 96.
     """
     model = ModelConfig(family="nemotron", num_layers=96, hidden_size=18432, ffn_hidden_size=73728,
                         num_attention_heads=96, num_query_groups=8, head_dim=192, vocab_size=256000,

@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT
 
 LARGE = ["qwen3_30b_a3b_grpo", "qwen3_235b_a22b_grpo", "deepseek_v3_grpo", "nemotron_grpo"]
@@ -34,6 +36,27 @@ def test_large_recipes_build_and_fit():
     assert totals == {"qwen3_30b_a3b_grpo": 30.5, "qwen3_235b_a22b_grpo": 235.1, "deepseek_v3_grpo": 671.0,
                       "nemotron_grpo": 341.0}
     assert proc.stdout.count("FITS: the fullest rank") == len(LARGE)
+
+
+# The GB200 layouts the recipes' docstrings give.
+GB200 = {"qwen3_30b_a3b_grpo": ["parallel.dp=4", "algorithm.prompts_per_step=32"],
+         "qwen3_235b_a22b_grpo": ["--world-size", "64", "parallel.pp=4", "parallel.first_stage_layers=23",
+                                  "parallel.last_stage_layers=23", "parallel.dp=4"],
+         "deepseek_v3_grpo": ["--world-size", "128", "parallel.tp=4", "parallel.dp=4", "parallel.ep=16"],
+         "nemotron_grpo": ["--world-size", "96", "parallel.pp=6", "parallel.dp=2"]}
+
+
+@pytest.mark.parametrize("recipe", LARGE)
+def test_gb200_layouts_in_the_docstrings_fit(recipe):
+    import recipes.large
+
+    args = GB200[recipe]
+    doc = " ".join(getattr(recipes.large, recipe).__doc__.split())
+    for arg in args:
+        if arg.startswith("parallel.") or arg.startswith("algorithm."):
+            assert arg in doc, f"{recipe}'s docstring does not give {arg}"
+    proc = _plan("--recipe", recipe, "--gpu", "gb200", *args)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
 def test_plan_says_when_it_does_not_fit():
