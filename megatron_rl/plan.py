@@ -84,9 +84,7 @@ def _build_on_meta(cfg: Config, rank: int, world_size: int):
 
     from megatron_rl.training.setup import build_model
 
-    if dist.is_initialized():
-        ps.destroy_model_parallel()
-        dist.destroy_process_group()
+    _shutdown()  # the previous stage's fake group
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     p = cfg.parallel
     ps.initialize_model_parallel(
@@ -109,10 +107,11 @@ def _layers(chunks) -> int:
 
 def activation_bytes(cfg: Config, layers: int, stage: int) -> int:
     """Activations kept for the backward on one rank, for its in-flight microbatches (1F1B keeps
-    pp - stage of them), without recompute. Per token and layer in the model dtype: about 6h for
+    pp - stage of them). Per token and layer in the model dtype: about 6h for
     attention's inputs and outputs (flash attention keeps no scores) and 4f for the MLP (f: the
     FFN width a token goes through, top-k experts for MoE); sharded over TP with sequence
-    parallelism, and over CP. The last stage adds the fp32 logits."""
+    parallelism, and over CP. With train.recompute=full only each layer's input (h) is kept. The last
+    stage adds the fp32 logits."""
     m, p = cfg.model, cfg.parallel
     tokens = cfg.data.micro_batch_size * cfg.data.seq_length
     ffn = m.moe_topk * m.moe_ffn_hidden_size + m.moe_shared_ffn_hidden_size if m.num_experts else m.ffn_hidden_size
@@ -136,10 +135,9 @@ def kv_cache_bytes(cfg: Config, layers: int) -> int:
 
 def kv_bytes_per_token(cfg: Config, layers: int) -> int:
     """Keys and values of one token in the rollout engine's cache on one rank."""
-    m = cfg.model
-    heads = m.num_attention_heads if m.multi_latent_attention else (m.num_query_groups or m.num_attention_heads)
-    channels = (m.qk_head_dim + m.qk_pos_head_dim) if m.multi_latent_attention else (
-        m.head_dim or m.hidden_size // m.num_attention_heads)
+    from megatron_rl.rollout.engine import kv_cache_layout
+
+    heads, channels = kv_cache_layout(cfg.model)
     return 2 * layers * max(1, heads // cfg.parallel.tp) * channels * _dtype_bytes(cfg)
 
 

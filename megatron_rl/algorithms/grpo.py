@@ -271,8 +271,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
                                  rollout_logp=rollout.logprobs)
             batch.update(index=torch.arange(len(rewards)), advantages=advantages)
             if tape is not None:
-                fed = [len(p) + len(c) - 1 for p, c in zip(rollout.prompts, rollout.completions)]
-                batch.update(pack_routes(rollout.routes, fed, cfg.data.seq_length))
+                batch.update(pack_routes(rollout.routes, cfg.data.seq_length))
             batch["old_logp"] = logprobs_of(trainee.model, batch, cfg.data.micro_batch_size, cfg.model.vocab_size,
                                             tape, a.router_replay)
             if reference is not None:

@@ -101,6 +101,14 @@ def _fast_sampling_controller_class():
     return FastSamplingController
 
 
+def kv_cache_layout(m) -> tuple[int, int]:
+    """(heads, channels per head) of each cached token's keys (and values) over all TP ranks.
+    Without latent caching megatron caches MLA's full per-head keys, queries' channel count."""
+    if m.multi_latent_attention:
+        return m.num_attention_heads, m.qk_head_dim + m.qk_pos_head_dim
+    return m.num_query_groups or m.num_attention_heads, m.head_dim or m.hidden_size // m.num_attention_heads
+
+
 def _drop_inference_buffers():
     """megatron's global memory buffer (the sequence-parallel all-gather's scratch space) grows
     lazily; what it allocated during the rollout are inference tensors, which training may not
@@ -130,9 +138,7 @@ class RolloutEngine:
         self.cfg = rollout
         self.termination_id = tokenizer.eos_token_id if stop_at_eos else -1
         m = model_cfg
-        heads = m.num_attention_heads if m.multi_latent_attention else (m.num_query_groups or m.num_attention_heads)
-        kv_channels = (m.qk_head_dim + m.qk_pos_head_dim) if m.multi_latent_attention else (
-            m.head_dim or m.hidden_size // m.num_attention_heads)
+        heads, kv_channels = kv_cache_layout(m)
         # The context pads each step's tokens to a multiple of TOKEN_ROUNDER (64: GPU kernels and CUDA
         # graphs like round sizes). On CPU that padding is pure cost once sequences finish: 1 active
         # request would still compute 64 rows. Round to 8 there.

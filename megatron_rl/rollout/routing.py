@@ -143,10 +143,8 @@ class RoutingTape:
         tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
         default = torch.arange(self.topk)
         for mb in micro:
-            routes, fed = mb["routes"], mb["fed"]
-            if ps.get_context_parallel_world_size() > 1:
-                share = cp_share({"tokens": mb["tokens"], "routes": routes, "fed": fed})
-                routes, fed = share["routes"], share["fed"]
+            share = cp_share({k: mb[k] for k in ("tokens", "routes", "fed")})
+            routes, fed = share["routes"], share["fed"]
             if self.sequence_parallel and tp > 1:
                 s = routes.shape[1] // tp
                 routes, fed = routes[:, tp_rank * s:(tp_rank + 1) * s], fed[:, tp_rank * s:(tp_rank + 1) * s]
@@ -167,14 +165,15 @@ class RoutingTape:
             layer.backward.clear()
 
 
-def pack_routes(routes: list[torch.Tensor], fed: list[int], seq_length: int) -> dict[str, torch.Tensor]:
+def pack_routes(routes: list[torch.Tensor], seq_length: int) -> dict[str, torch.Tensor]:
     """Per-sample routes (fed tokens, layers, topk) -> "routes" (N, seq_length, layers, topk), -1
     padded: position j holds the experts of the token the training forward sees at j (rl.pack's
     tokens); and "fed" (N, seq_length), the positions the rollout fed a token at."""
     layers, topk = routes[0].shape[1:]
     out = torch.full((len(routes), seq_length, layers, topk), -1, dtype=torch.long)
-    mask = torch.zeros(len(routes), seq_length, dtype=torch.bool)
-    for i, (r, n) in enumerate(zip(routes, fed)):
-        out[i, :min(len(r), seq_length)] = r[:seq_length]
-        mask[i, :min(n, seq_length)] = True
-    return {"routes": out, "fed": mask}
+    fed = torch.zeros(len(routes), seq_length, dtype=torch.bool)
+    for i, r in enumerate(routes):
+        n = min(len(r), seq_length)
+        out[i, :n] = r[:n]
+        fed[i, :n] = True
+    return {"routes": out, "fed": fed}

@@ -19,12 +19,15 @@ from megatron_rl.platform import device
 
 def cp_share(batch: dict) -> dict:
     """This context-parallel rank's share of a microbatch: the per-token (B, S, ...) tensors at the
-    positions it holds, per-sample tensors whole, and "positions" (S / cp,)."""
+    positions it holds, per-sample tensors whole, and "positions" (S / cp,). Without context
+    parallelism: the batch itself, with positions 0..S-1."""
     from megatron.core import parallel_state as ps
     from model_providers.attention import load_balanced_positions
 
     seq_len = batch["tokens"].shape[1]
     cp = ps.get_context_parallel_world_size()
+    if cp == 1:
+        return {**batch, "positions": torch.arange(seq_len, device=batch["tokens"].device)}
     positions = load_balanced_positions(seq_len, cp, ps.get_context_parallel_rank(), batch["tokens"].device)
     share = {k: v[:, positions] if v.dim() >= 2 and v.shape[1] == seq_len else v for k, v in batch.items()}
     share["positions"] = positions
@@ -50,14 +53,7 @@ def first_cp_rank() -> bool:
 
 
 def _forward_step(loss_fn, data_iterator, model):
-    from megatron.core import parallel_state as ps
-
-    dev = device()
-    batch = {k: v.to(dev) for k, v in next(data_iterator).items()}
-    if ps.get_context_parallel_world_size() > 1:
-        batch = cp_share(batch)
-    else:
-        batch["positions"] = torch.arange(batch["tokens"].shape[1], device=dev)
+    batch = cp_share({k: v.to(device()) for k, v in next(data_iterator).items()})
     tokens = batch["tokens"]
     # attention_mask=None: the local spec's attention builds its causal mask itself.
     output = model(tokens, batch["positions"].unsqueeze(0).expand_as(tokens), None)

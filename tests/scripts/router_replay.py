@@ -51,11 +51,11 @@ def main():
     prompts = [[tokenizer.bos_token_id] + torch.randint(3, 15, (int(n),), generator=g).tolist()
                for n in torch.randint(3, 8, (8,), generator=g)]
     rollout = engine.generate(prompts, n=2, seed=0, tape=tape)
-    fed = [len(a) + len(b) - 1 for a, b in zip(rollout.prompts, rollout.completions)]
     batch = rl_data.pack(rollout.prompts, rollout.completions, cfg.data.seq_length, tokenizer.pad_token_id,
                          rollout_logp=rollout.logprobs)
-    batch.update(index=torch.arange(len(fed)), advantages=torch.randn(len(fed), generator=g),
-                 **pack_routes(rollout.routes, fed, cfg.data.seq_length))
+    n = len(rollout.routes)
+    batch.update(index=torch.arange(n), advantages=torch.randn(n, generator=g),
+                 **pack_routes(rollout.routes, cfg.data.seq_length))
     mbs, vocab = cfg.data.micro_batch_size, cfg.model.vocab_size
     last = ps.is_pipeline_last_stage(ignore_virtual=True)
     mask = batch["loss_mask"] > 0
