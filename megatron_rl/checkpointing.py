@@ -165,16 +165,21 @@ def _prune(run_dir: Path, keep: int):
 
 
 def resolve(path: str | Path) -> Path:
-    """A checkpoint directory, or a run directory standing for its latest complete checkpoint."""
+    """A complete checkpoint directory, or a run directory standing for its latest one."""
     path = Path(path)
     if not (path / MARKER).exists() and (path / "checkpoints").is_dir():
         latest = latest_checkpoint(path)
         if latest is not None:
             return latest
+    _require_complete(path)
     return path
 
 
 def _require_complete(path: Path):
+    if not path.exists():
+        near = sorted(p.name for p in path.parent.glob("step_*")) if path.parent.is_dir() else []
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist" + (
+            f"; {path.parent} holds {', '.join(near[-3:])}" if near else "") + ".")
     if not (path / MARKER).exists():
         raise FileNotFoundError(
             f"{str(path)!r} is not a complete megatron-rl checkpoint (no '{MARKER}' marker); "

@@ -481,8 +481,6 @@ class Config:
         if r.max_sequence_length < self.data.seq_length + 1:
             raise ConfigError(f"rollout.max_sequence_length={r.max_sequence_length} must exceed data.seq_length="
                               f"{self.data.seq_length} (the training length of prompt + completion).")
-        if self.parallel.vpp > 1:
-            raise ConfigError("GRPO needs parallel.vpp=1: megatron-core's inference does not run interleaved pipelines.")
         if a.policy_loss == "cispo" and a.ratio_level == "sequence":
             raise ConfigError("algorithm.policy_loss=cispo weights each token's log-probability by its own ratio; it "
                               "has no sequence-level ratio: set algorithm.ratio_level=token (or policy_loss=ppo for GSPO).")

@@ -130,6 +130,11 @@ class Provider:
             sequence_parallel=p.sp,
             params_dtype=self.dtype,
             pipeline_dtype=self.dtype,
+            # gloo pairs a sender's messages with a receiver's posted receives in order. Batched p2p
+            # posts sends and receives to a peer in an order that differs between the two sides, so
+            # at PP=2 with a virtual pipeline (prev == next rank) an activation lands in a gradient's
+            # buffer and vice versa. megatron's unbatched path orders them by even/odd rank.
+            batch_p2p_comm=torch.cuda.is_available(),
             bf16=self.dtype == torch.bfloat16,
             use_cpu_initialization=not torch.cuda.is_available(),
             # Fusions below need apex/TE kernels; the unfused torch paths are exact.

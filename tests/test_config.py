@@ -54,6 +54,14 @@ def test_cli_errors_are_one_line():
     assert proc.returncode == 2 and "Did you mean optimizer.lr" in proc.stderr
 
 
+def test_missing_checkpoint_is_one_line(tmp_path):
+    missing = tmp_path / "checkpoints" / "step_0000009"
+    proc = run_train(["--recipe", "tiny_sft", f"checkpoint.load={missing}", f"logging.run_dir={tmp_path / 'run'}"],
+                     check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == f"error: checkpoint '{missing}' does not exist."
+
+
 def test_cli_print_config_and_list():
     proc = run_train(["--recipe", "tiny_sft", "optimizer.lr=3e-4", "train.max_steps=50", "--print-config"])
     assert '"lr": 0.0003' in proc.stdout and '"max_steps": 50' in proc.stdout

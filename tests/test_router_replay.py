@@ -12,8 +12,9 @@ from tests.helpers import ROOT, free_port
 
 @pytest.mark.parametrize("layout, nproc", [(["train.recompute=full"], 1), (["parallel.ep=2"], 2),
                                            (["parallel.pp=2"], 2), (["parallel.tp=2", "parallel.sp=true"], 2),
-                                           (["parallel.cp=2"], 2)],
-                         ids=["recompute", "ep2", "pp2", "tp2-sp", "cp2"])
+                                           (["parallel.cp=2"], 2),
+                                           (["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"], 2)],
+                         ids=["recompute", "ep2", "pp2", "tp2-sp", "cp2", "vpp"])
 def test_router_replay(layout, nproc, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
            "tests/scripts/router_replay.py", str(tmp_path), *layout]

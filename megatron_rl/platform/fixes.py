@@ -1,6 +1,7 @@
 """Fixes for megatron-core 0.16.1 bugs that do not depend on the device, only on Transformer
-Engine (or apex) being absent: paths megatron does not exercise. Each fix is guarded by that
-condition, so nothing changes where TE is installed; tests/test_platform.py shows each is needed.
+Engine (or apex) being absent, or on a virtual pipeline during inference: paths megatron does not
+exercise. Each fix is guarded by that condition, so nothing changes elsewhere; tests show each is
+needed (tests/test_platform.py; the virtual-pipeline GRPO layout in tests/test_grpo.py).
 """
 
 import functools
@@ -99,8 +100,36 @@ def _paged_attention_without_flash_attn(module):
     module.is_fa_min_version = lambda *args, **kwargs: True  # only asked about the kernels above
 
 
+def _kv_cache_index_under_vpp(module):
+    """The dynamic inference context indexes its KV cache by a layer's place among the rank's
+    layers (layer_number minus the stage's layer offset), and megatron asserts there is no virtual
+    pipeline when it asks for that offset. Under a virtual pipeline a rank's layers are its chunks'
+    layers in chunk order: the offset is the layer's chunk offset less the layers of the rank's
+    earlier chunks (our engine runs the chunks in turn: rollout/engine.py)."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    offset_without_vpp = module.Attention._get_pp_layer_offset_for_inference
+
+    def offset(self):
+        vpp = self.config.virtual_pipeline_model_parallel_size
+        if vpp is None:
+            return offset_without_vpp(self)
+        pp_rank, earlier = module.get_pg_rank(self.pg_collection.pp), 0
+        for vp_stage in range(vpp):
+            start = get_transformer_layer_offset(self.config, vp_stage=vp_stage, pp_rank=pp_rank)
+            count = get_num_layers_to_build(self.config, vp_stage=vp_stage, pp_rank=pp_rank)
+            if start < self.layer_number <= start + count:
+                return start - earlier
+            earlier += count
+        raise AssertionError(f"layer {self.layer_number} is in none of pipeline rank {pp_rank}'s chunks")
+
+    module.Attention._get_pp_layer_offset_for_inference = offset
+
+
 def apply():
     hooks.on_import("megatron.core.optimizer.distrib_optimizer", _fix_distrib_optimizer)
     hooks.on_import("megatron.core.transformer.multi_latent_attention", _fix_mla_te_check)
     hooks.on_import("megatron.core.transformer.moe.moe_utils", _fix_router_gemm)
     hooks.on_import("megatron.core.transformer.attention", _paged_attention_without_flash_attn)
+    hooks.on_import("megatron.core.transformer.attention", _kv_cache_index_under_vpp)

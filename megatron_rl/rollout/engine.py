@@ -53,14 +53,19 @@ class MegatronTokenizer:
         return len(self.hf)
 
 
-def _masked_wrapper_class():
+def _wrapper_class():
+    from megatron.core.inference.communication_utils import (
+        is_pipeline_first_stage, is_pipeline_last_stage, recv_from_prev_pipeline_rank_, send_to_next_pipeline_rank)
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
 
-    class VocabMaskedGPTWrapper(GPTInferenceWrapper):
+    class TraineeWrapper(GPTInferenceWrapper):
         """GPTInferenceWrapper whose logits exclude the padding rows of the vocabulary (which megatron
-        would otherwise sample from), exactly as the training loss does."""
+        would otherwise sample from), exactly as the training loss does; and which runs a virtual
+        pipeline (megatron-core's inference runs one model chunk per rank): the chunks go round the
+        pipeline ring in order, chunk v of the last stage sending to chunk v + 1 of the first."""
 
         vocab_size: int = 0
+        chunks: list = []  # this rank's model chunks (without DDP), in layer order
 
         def run_one_forward_step(self, inference_input, *args, **kwargs):
             logits = super().run_one_forward_step(inference_input, *args, **kwargs)
@@ -68,7 +73,26 @@ def _masked_wrapper_class():
                 logits[..., self.vocab_size:] = float("-inf")
             return logits
 
-    return VocabMaskedGPTWrapper
+        def forward_pass_with_pipeline_parallel_small_input_batch(self, inference_input, recv_buffer_seq_len=None):
+            if len(self.chunks) == 1:
+                return super().forward_pass_with_pipeline_parallel_small_input_batch(inference_input, recv_buffer_seq_len)
+            batch_size, seq_len = self._get_batch_size_and_seq_len(inference_input["tokens"], recv_buffer_seq_len)
+            first, last = is_pipeline_first_stage(self.pp_group), is_pipeline_last_stage(self.pp_group)
+            for v, chunk in enumerate(self.chunks):
+                received = None
+                if not (first and v == 0):
+                    received = self._allocate_recv_buffer(batch_size, seq_len)
+                    recv_from_prev_pipeline_rank_(received, self.pp_group)
+                chunk.set_input_tensor(received)
+                output = chunk(inference_input["tokens"], inference_input["position_ids"],
+                               inference_input["attention_mask"], inference_context=self.inference_context,
+                               runtime_gather_output=True)  # as _forward calls the (one) model
+                if not (last and v == len(self.chunks) - 1):
+                    send_to_next_pipeline_rank(output.type(dtype=self.pipeline_communication_dtype), self.pp_group)
+            self.inference_context.increment_sequence_len_offset(seq_len)
+            return output.to(self.inference_wrapper_config.params_dtype) if last else None
+
+    return TraineeWrapper
 
 
 def _fast_sampling_controller_class():
@@ -123,29 +147,30 @@ def _drop_inference_buffers():
 class RolloutEngine:
     def __init__(self, model_chunks: list, model_cfg, tokenizer, rollout: RolloutConfig, dtype: torch.dtype,
                  stop_at_eos: bool = True):
-        """model_chunks: the trainee's model (DDP-wrapped is fine); one chunk per rank (no virtual PP).
+        """model_chunks: the trainee's model (DDP-wrapped is fine), all of this rank's chunks.
         stop_at_eos=False generates exactly rollout.max_new_tokens tokens (benchmarks)."""
         from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
         from megatron.core.inference.engines import DynamicInferenceEngine
         from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
+        from megatron.core.utils import get_attr_wrapped_model
         from model_providers.builder import padded_vocab_size
 
-        if len(model_chunks) != 1:
-            raise ValueError("rollouts need parallel.vpp=1: megatron-core's inference does not run interleaved pipelines.")
         self.chunks = model_chunks
-        self.model = model_chunks[0].module if hasattr(model_chunks[0], "ddp_config") else model_chunks[0]
+        unwrapped = [c.module if hasattr(c, "ddp_config") else c for c in model_chunks]
+        self.model = unwrapped[0]
         self.tokenizer = tokenizer
         self.cfg = rollout
         self.termination_id = tokenizer.eos_token_id if stop_at_eos else -1
         m = model_cfg
         heads, kv_channels = kv_cache_layout(m)
+        layers = sum(len(get_attr_wrapped_model(c, "decoder").layers) for c in unwrapped)  # this rank's (cached)
         # The context pads each step's tokens to a multiple of TOKEN_ROUNDER (64: GPU kernels and CUDA
         # graphs like round sizes). On CPU that padding is pure cost once sequences finish: 1 active
         # request would still compute 64 rows. Round to 8 there.
         context_class = DynamicInferenceContext if torch.cuda.is_available() else type(
             "CpuInferenceContext", (DynamicInferenceContext,), {"TOKEN_ROUNDER": 8})
         self.context = context_class(
-            params_dtype=dtype, num_layers=m.num_layers, kv_channels=kv_channels, num_attention_heads=heads,
+            params_dtype=dtype, num_layers=layers, kv_channels=kv_channels, num_attention_heads=heads,
             max_sequence_length=rollout.max_sequence_length, buffer_size_gb=rollout.kv_cache_gb,
             max_requests=rollout.max_requests, block_size_tokens=rollout.block_size_tokens,
             max_tokens=rollout.max_tokens, materialize_only_last_token_logits=True)
@@ -153,8 +178,8 @@ class RolloutEngine:
             hidden_size=m.hidden_size, params_dtype=dtype, inference_batch_times_seqlen_threshold=-1,
             padded_vocab_size=padded_vocab_size(m.vocab_size), inference_max_requests=rollout.max_requests,
             inference_max_seq_length=rollout.max_sequence_length)
-        wrapper = _masked_wrapper_class()(self.model, wrapper_config, self.context)
-        wrapper.vocab_size = m.vocab_size
+        wrapper = _wrapper_class()(self.model, wrapper_config, self.context)
+        wrapper.vocab_size, wrapper.chunks = m.vocab_size, unwrapped
         self.controller = _fast_sampling_controller_class()(wrapper, MegatronTokenizer(tokenizer))
         self.engine = DynamicInferenceEngine(self.controller, self.context, random_seed=rollout.seed)
 

@@ -35,7 +35,7 @@ def main():
     launch = platform.init_distributed()
     cfg.validate(launch.world_size)
     p = cfg.parallel
-    platform.init_model_parallel(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp or None)
+    platform.init_model_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp if p.vpp > 1 else None, cp=p.cp, ep=p.ep, etp=p.etp or None)
 
     from megatron.core import parallel_state as ps
 
