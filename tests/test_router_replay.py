@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, free_port
+from tests.helpers import ROOT, column, free_port, run_train
 
 
 @pytest.mark.parametrize("layout, nproc", [(["train.recompute=full"], 1), (["parallel.ep=2"], 2),
@@ -39,3 +39,17 @@ def test_router_replay(layout, nproc, tmp_path):
     # ... and replay still uses exactly the rollout's experts.
     assert r["after_update_replay"]["replayed"] == r["after_update_replay"]["routed"] > 0
     assert r["after_update_used_recorded"]
+
+
+def test_tiny_moe_grpo_learns_with_router_replay(tmp_path):
+    """A shortened tiny_moe_sft (300 of its 800 steps: about 27% held-out accuracy), then 8 steps of
+    tiny_moe_grpo with router replay: held-out greedy accuracy rises by at least 5 points."""
+    quiet = ["train.eval_every=0", "data.num_val=256", "logging.progress=false", "logging.tensorboard=false"]
+    run_train(["--recipe", "tiny_moe_sft", "train.max_steps=300", "scheduler.decay_steps=300", *quiet,
+               f"logging.run_dir={tmp_path / 'sft'}"])
+    run_train(["--recipe", "tiny_moe_grpo", "train.max_steps=8", *quiet, "train.eval_every=4", "checkpoint.save=false",
+               f"checkpoint.load={tmp_path / 'sft'}", f"logging.run_dir={tmp_path / 'grpo'}"])
+    accuracy = column(tmp_path / "grpo", "val/accuracy")
+    assert accuracy[-1] >= accuracy[0] + 0.05, accuracy
+    assert set(column(tmp_path / "grpo", "moe/routing_replay_frac")) == {1.0}
+    assert max(column(tmp_path / "grpo", "rollout/logprob_mismatch_max")) <= 1e-5

@@ -85,16 +85,15 @@ def test_bf16_tracks_fp32(reference, tmp_path):
     assert bf16 != losses  # it really ran in bf16
 
 
-def test_tiny_sft_learns(tmp_path):
-    """A reduced tiny_sft (fewer steps than the recipe) already learns clearly."""
-    run_train(["--recipe", "tiny_sft", "train.max_steps=300", "train.eval_every=0", "scheduler.decay_steps=300",
-               "data.num_train=20000", "logging.progress=false", f"logging.run_dir={tmp_path}"])
-    rows = metrics(tmp_path)
+def test_tiny_sft_learns(sft_run):
+    """The tiny_sft recipe in full (the GRPO tests' starting point, trained once per session) learns:
+    its held-out accuracy is the decent-but-improvable start the GRPO recipes are tuned for."""
+    rows = metrics(sft_run)
     first, last = rows[0], rows[-1]
-    assert last["train/loss"] < 0.6 * first["train/loss"]
-    assert last["val/accuracy"] > 0.02  # chance is ~1/199 for 2-digit sums
-    assert (tmp_path / "checkpoints").is_dir() and (tmp_path / "config.json").is_file()
-    assert (tmp_path / "hf_assets" / "tokenizer.json").is_file()
+    assert last["step"] == 800 and last["train/loss"] < 0.6 * first["train/loss"]
+    assert last["val/accuracy"] > 0.25  # 32.8% measured; chance is ~1/199 for 2-digit sums
+    assert (sft_run / "checkpoints").is_dir() and (sft_run / "config.json").is_file()
+    assert (sft_run / "hf_assets" / "tokenizer.json").is_file()
     for key in ("train/lr", "perf/step_time_s", "perf/tokens_per_s", "val/loss"):
         assert key in last
 
