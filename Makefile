@@ -29,11 +29,13 @@ demo-moe: install
 	$(BIN)/python train.py --recipe tiny_moe_sft
 	$(BIN)/python train.py --recipe tiny_moe_grpo
 
+# Two workers: many tests wait on process start-up and imports, so two share the two cores well.
+# Tests that start from the shared tiny_sft run form one xdist group (one worker trains it).
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15 tests
 
 test-fast: install
-	$(BIN)/python -m pytest -q tests -m "not slow"
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup tests -m "not slow"
 
 clean:
 	rm -rf runs .pytest_cache

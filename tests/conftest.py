@@ -1,6 +1,14 @@
-import pytest
+import os
 
-from tests.helpers import free_port
+import pytest
+import torch
+
+from tests.helpers import free_port, threads
+
+# Under `make test` two pytest workers share the cores: each worker, and what it starts without
+# an explicit thread count, uses its share.
+os.environ["OMP_NUM_THREADS"] = threads()
+torch.set_num_threads(int(threads()))
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +24,8 @@ def one_process():
 
 @pytest.fixture(scope="session")
 def sft_run(tmp_path_factory):
-    """The tiny_sft recipe trained in full (about a minute): GRPO tests start from it."""
+    """The tiny_sft recipe trained in full (about two minutes): GRPO tests start from it (they share
+    the xdist group "tiny_sft", so one worker trains it once)."""
     from tests.helpers import run_train
 
     run = tmp_path_factory.mktemp("tiny_sft")

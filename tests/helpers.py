@@ -17,8 +17,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def threads(nproc: int = 1) -> str:
+    """OMP_NUM_THREADS for each of nproc processes: this pytest worker's share of the cores (make
+    test runs two workers on two cores), so that runs never oversubscribe them."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return str(max(1, len(os.sched_getaffinity(0)) // workers // nproc))
+
+
 def run_train(args: list[str], nproc: int = 1, timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": str(max(1, 2 // nproc))}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": threads(nproc)}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     if nproc == 1:

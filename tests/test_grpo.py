@@ -12,6 +12,8 @@ import torch
 from megatron_rl.checkpointing import checkpoint_dir
 from tests.helpers import ROOT, column, free_port, metrics, processes, run_train
 
+pytestmark = pytest.mark.xdist_group("tiny_sft")  # one worker trains the shared tiny_sft run
+
 QUICK = ["train.eval_every=0", "logging.progress=false", "logging.tensorboard=false", "checkpoint.save=false",
          "data.num_val=64", "data.num_train=2000"]
 

@@ -8,6 +8,8 @@ from megatron_rl.config import ConfigError, apply_overrides
 from recipes import get_recipe
 from tests.helpers import column, metrics, run_train
 
+pytestmark = pytest.mark.xdist_group("tiny_sft")  # one worker trains the shared tiny_sft run
+
 VARIANTS = {  # recipe -> a metric only that variant logs (None: none)
     "tiny_dapo": "rollout/dynamic_sampling_rounds",
     "tiny_gspo": None,

@@ -57,7 +57,8 @@ def _run(code: str, patched: bool) -> subprocess.CompletedProcess:
     from tests.helpers import free_port
 
     prelude = "import megatron_rl.platform\n" if patched else ""
-    script = prelude + SETUP_DIST.format(port=free_port()) + code
+    # destroy the group before exit: gloo's threads otherwise may abort the exit ("terminate called")
+    script = prelude + SETUP_DIST.format(port=free_port()) + code + "\ndist.destroy_process_group()\n"
     return subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=120)
 

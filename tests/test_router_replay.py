@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, column, free_port, run_train
+from tests.helpers import ROOT, column, free_port, run_train, threads
 
 
 @pytest.mark.parametrize("layout, nproc", [(["train.recompute=full"], 1), (["parallel.ep=2"], 2),
@@ -19,7 +19,7 @@ def test_router_replay(layout, nproc, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
            "tests/scripts/router_replay.py", str(tmp_path), *layout]
     env = {"PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin",
-           "OMP_NUM_THREADS": str(2 // nproc)}
+           "OMP_NUM_THREADS": threads(nproc)}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("result_rank*.json"))]
@@ -42,14 +42,14 @@ def test_router_replay(layout, nproc, tmp_path):
 
 
 def test_tiny_moe_grpo_learns_with_router_replay(tmp_path):
-    """A shortened tiny_moe_sft (300 of its 800 steps: about 27% held-out accuracy), then 8 steps of
-    tiny_moe_grpo with router replay: held-out greedy accuracy rises by at least 5 points."""
+    """tiny_moe_sft in full, then 6 steps of tiny_moe_grpo with router replay: held-out greedy
+    accuracy rises by at least 10 points (measured: 57% -> 84% with one thread per process; the
+    MoE SFT's end point depends on the thread count, 25% to 57%, so the bound is relative)."""
     quiet = ["train.eval_every=0", "data.num_val=256", "logging.progress=false", "logging.tensorboard=false"]
-    run_train(["--recipe", "tiny_moe_sft", "train.max_steps=300", "scheduler.decay_steps=300", *quiet,
-               f"logging.run_dir={tmp_path / 'sft'}"])
-    run_train(["--recipe", "tiny_moe_grpo", "train.max_steps=8", *quiet, "train.eval_every=4", "checkpoint.save=false",
+    run_train(["--recipe", "tiny_moe_sft", *quiet, f"logging.run_dir={tmp_path / 'sft'}"])
+    run_train(["--recipe", "tiny_moe_grpo", "train.max_steps=6", *quiet, "train.eval_every=6", "checkpoint.save=false",
                f"checkpoint.load={tmp_path / 'sft'}", f"logging.run_dir={tmp_path / 'grpo'}"])
     accuracy = column(tmp_path / "grpo", "val/accuracy")
-    assert accuracy[-1] >= accuracy[0] + 0.05, accuracy
+    assert accuracy[-1] >= accuracy[0] + 0.10, accuracy
     assert set(column(tmp_path / "grpo", "moe/routing_replay_frac")) == {1.0}
     assert max(column(tmp_path / "grpo", "rollout/logprob_mismatch_max")) <= 1e-5

@@ -85,6 +85,7 @@ def test_bf16_tracks_fp32(reference, tmp_path):
     assert bf16 != losses  # it really ran in bf16
 
 
+@pytest.mark.xdist_group("tiny_sft")
 def test_tiny_sft_learns(sft_run):
     """The tiny_sft recipe in full (the GRPO tests' starting point, trained once per session) learns:
     its held-out accuracy is the decent-but-improvable start the GRPO recipes are tuned for."""
