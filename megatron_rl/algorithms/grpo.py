@@ -31,7 +31,7 @@ from megatron_rl.logging import RunLogger, plot_metrics
 from megatron_rl.profiling import Profiler
 from megatron_rl.rewards import RewardRunner
 from megatron_rl.rollout.engine import Rollout, RolloutEngine
-from megatron_rl.rollout.routing import RoutingTape, pack_routes
+from megatron_rl.rollout.routing import RoutingTape, pack_routes, routes_queued
 from megatron_rl.training.logprobs import entropy, mask_padded_vocab, token_logprobs
 from megatron_rl.training.setup import build_model, build_trainee, compute_dtype, load_initial_state, write_run_assets
 from megatron_rl.training.step import cp_sum, first_cp_rank, forward_backward, optimizer_step, reduce_reports, zero_grads
@@ -91,12 +91,8 @@ def logprobs_of(model_chunks: list, batch: dict, micro_batch_size: int, vocab_si
 
     keys = ("tokens", "labels", "index", *(["routes", "fed"] if tape is not None else []))
     micro = microbatches({k: batch[k] for k in keys}, micro_batch_size)
-    if tape is not None:
-        tape.queue(micro, replay)
-    with torch.no_grad():
+    with routes_queued(tape, micro, replay), torch.no_grad():
         forward_backward(SimpleNamespace(model=model_chunks), micro, capture, forward_only=True)
-    if tape is not None:
-        tape.finish()
     return cp_sum(out)  # each context-parallel rank filled the positions it holds
 
 
@@ -365,11 +361,8 @@ def train_on(trainee, cfg: Config, batch: dict, tape=None) -> dict:
             idx = order[m * per_minibatch : (m + 1) * per_minibatch]
             zero_grads(trainee)
             micro = microbatches({k: batch[k][idx] for k in keys}, cfg.data.micro_batch_size)
-            if tape is not None:
-                tape.queue(micro, a.router_replay)
-            report = reduce_reports(forward_backward(trainee, micro, loss_fn))
-            if tape is not None:
-                tape.finish()
+            with routes_queued(tape, micro, a.router_replay):
+                report = reduce_reports(forward_backward(trainee, micro, loss_fn))
             _, grad_norm = optimizer_step(trainee)
             grad_norms.append(grad_norm)
             for k, v in report.items():

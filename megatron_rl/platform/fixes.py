@@ -1,7 +1,8 @@
 """Fixes for megatron-core 0.16.1 bugs that do not depend on the device, only on Transformer
 Engine (or apex) being absent, or on a virtual pipeline during inference: paths megatron does not
 exercise. Each fix is guarded by that condition, so nothing changes elsewhere; tests show each is
-needed (tests/test_platform.py; the virtual-pipeline GRPO layout in tests/test_grpo.py).
+needed (tests/test_platform.py; for the virtual pipeline, tests/test_sft.py's VPP test, whose GRPO
+step fails without it).
 """
 
 import functools

@@ -19,6 +19,7 @@ experts 0..k-1 there, whose outputs reach no loss term (causal attention, masked
 """
 
 from collections import deque
+from contextlib import contextmanager
 
 import torch
 
@@ -163,6 +164,20 @@ class RoutingTape:
         for layer in self.layers:
             layer.forward.clear()
             layer.backward.clear()
+
+
+@contextmanager
+def routes_queued(tape, micro: list[dict], replay: bool):
+    """The forwards (and recomputed backwards) inside take each microbatch's routes from `tape`:
+    replayed, or compared with their own choices. Without a tape (dense model): nothing."""
+    if tape is None:
+        yield
+        return
+    tape.queue(micro, replay)
+    try:
+        yield
+    finally:
+        tape.finish()
 
 
 def pack_routes(routes: list[torch.Tensor], seq_length: int) -> dict[str, torch.Tensor]:
