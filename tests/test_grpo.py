@@ -39,16 +39,19 @@ def test_grpo_step_metrics_and_logprob_agreement(single):
                 "perf/rollout_tokens_per_s", "perf/train_tokens_per_s", "perf/time_rollout_s",
                 "perf/time_logprob_s", "perf/time_train_s", "val/accuracy", "val/reward_mean"):
         assert key in rows[-1], key
-    # The engine's logprobs of the sampled tokens equal the training forward's (fp32, CPU).
-    assert max(column(single, "rollout/logprob_mismatch_max")) <= 1e-5
+    # The engine's logprobs of the sampled tokens equal the training forward's (fp32, CPU): the
+    # issue's bound is 1e-5. The engine's attention computes every token exactly as training does
+    # (tests/test_paged_attention.py); what remains is log_softmax against the cross entropy's
+    # rounding, about one ulp (measured up to 8.3e-7 over 8 seeds x 3 steps).
+    assert max(column(single, "rollout/logprob_mismatch_max")) <= 2e-6
     assert 0 < rows[-1]["train/entropy"] < 2.71  # below log(15): the padded vocabulary is excluded
     assert (single / "plot.png").is_file()
 
 
-# Tolerances: the same rollouts (same seed) through a different reduction order. With context or
-# sequence parallelism the training forward splits every sequence over two ranks (GEMMs on half
-# the rows, attention over gathered keys): its logprobs differ from the rollout's by up to about
-# 9e-6 here, so the bound there is 2e-5 (1e-5 elsewhere).
+# Tolerances: the same rollouts (same seed) through a different reduction order. With context
+# parallelism the training forward splits every sequence over two ranks (attention over gathered
+# keys, masked by position): its logprobs differ from the rollout's by up to about 1e-5 here, so
+# the bound there is 2e-5 (1e-5 elsewhere, where about 1e-6 is measured).
 @pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.tp=2", "parallel.sp=true"], ["parallel.pp=2"],
                                     ["parallel.cp=2"], ["parallel.tp=2", "parallel.pp=2"], ["data.micro_batch_size=16"]],
                          ids=["tp2", "tp2-sp", "pp2", "cp2", "tp2xpp2", "microbatch16"])
@@ -58,7 +61,7 @@ def test_grpo_layouts_match_single_process(layout, single, sft_checkpoint, tmp_p
     assert column(tmp_path, "rollout/reward_mean") == column(single, "rollout/reward_mean")  # same samples
     assert column(tmp_path, "train/loss") == pytest.approx(column(single, "train/loss"), rel=1e-5, abs=1e-8)
     assert column(tmp_path, "train/grad_norm") == pytest.approx(column(single, "train/grad_norm"), rel=1e-5)
-    bound = 2e-5 if "parallel.cp=2" in layout or "parallel.sp=true" in layout else 1e-5
+    bound = 2e-5 if "parallel.cp=2" in layout else 1e-5
     assert max(column(tmp_path, "rollout/logprob_mismatch_max")) <= bound
 
 

@@ -3,10 +3,9 @@
 megatron-core's dynamic engine keeps the KV cache in fixed-size blocks and calls two flash-attn
 kernels: `flash_attn_varlen_func` (prefill: packed queries of several requests) and
 `flash_attn_with_kvcache` (decode: one query per request). These are vectorized torch versions
-with the same signatures: gather each request's blocks in use (whole blocks, keys and values in one
-index op), then one scaled_dot_product_attention
-call (prefill) or two batched matmuls (decode) for the whole batch, masked by length (causal,
-aligned to the end of each request's keys).
+with the same signatures: gather each request's blocks in use (whole blocks), then one
+scaled_dot_product_attention call for the whole batch, masked by length (causal, aligned to the
+end of each request's keys).
 """
 
 import torch
@@ -16,44 +15,38 @@ import torch.nn.functional as F
 def _gather_kv(k_cache, v_cache, block_table, length):
     """The blocks holding each request's first `length` cached keys and values, as (B, heads, L, d)
     views, L = those blocks' tokens (mask positions >= the request's length). k_cache, v_cache:
-    (num_blocks, block_size, heads, d). megatron keeps both in one buffer [2, layers, ...]: then
-    a single index op gathers both."""
+    (num_blocks, block_size, heads, d). index_select copies whole blocks (4x faster on CPU than
+    advanced indexing, which computes an offset per element)."""
     bs = k_cache.shape[1]
     used = block_table[:, : max(1, -(-length // bs))].clamp(min=0)  # -1 marks unused slots
-    both = _stacked(k_cache, v_cache)
-    k, v = both[:, used] if both is not None else (k_cache[used], v_cache[used])  # (B, nb, block_size, heads, d)
     b, nb = used.shape
-    return (x.reshape(b, nb * bs, *x.shape[3:]).transpose(1, 2) for x in (k, v))
+    flat = used.flatten()
+    return (x.index_select(0, flat).view(b, nb * bs, *x.shape[2:]).transpose(1, 2) for x in (k_cache, v_cache))
 
 
-def _stacked(k, v):
-    """k and v as one (2, ...) view when v is k shifted by a fixed offset in the same storage."""
-    if (k.shape != v.shape or k.stride() != v.stride()
-            or k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr()):
-        return None
-    offset = v.storage_offset() - k.storage_offset()
-    if offset <= 0:
-        return None
-    return k.as_strided((2,) + tuple(k.shape), (offset,) + tuple(k.stride()), k.storage_offset())
+# GEMM calls with fewer rows than this sum each dot product in another order (MKL, measured on
+# x86: 1-3 rows differ from 4 or more, which all agree row for row).
+MIN_GEMM_ROWS = 4
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal=True, softmax_scale=None,
                             **_unused):
-    """Decode: q (B, 1, heads, d) against each request's first cache_seqlens[b] cached keys."""
+    """Decode: q (B, 1, heads, d) against each request's first cache_seqlens[b] cached keys.
+
+    The query heads sharing a key/value head are the rows of one scaled_dot_product_attention
+    call on that head (padded to MIN_GEMM_ROWS rows): torch's CPU flash kernel then computes every
+    head exactly as the training forward's causal attention computes that token, so that rollout
+    and training logprobs agree bit for bit here. It reads the gathered keys in place (no
+    transposed copies) and costs about half as much as explicit matmuls and softmax."""
     k, v = _gather_kv(k_cache, v_cache, block_table, int(cache_seqlens.max()))  # (B, groups, L, d)
     b, groups, length, d = k.shape
-    heads = q.shape[2]
-    scale = softmax_scale if softmax_scale is not None else d**-0.5
-    # The queries sharing a key/value head attend together: one batched matmul per step, no copies
-    # of the keys per query head (grouped-query attention). SDPA would save the two copies the
-    # matmuls make of the transposed keys and values (about 1 ms of 60 per step), but its
-    # different rounding doubled the rollout/training logprob mismatch (to about 1e-5).
-    qg = q.reshape(b, groups, heads // groups, d)  # heads are ordered group-major
-    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # (B, groups, heads/groups, L)
+    per_group = q.shape[2] // groups
+    qg = q.view(b, groups, per_group, d)  # heads are ordered group-major
+    if per_group < MIN_GEMM_ROWS:
+        qg = torch.cat([qg, qg.new_zeros(b, groups, MIN_GEMM_ROWS - per_group, d)], dim=2)
     valid = torch.arange(length, device=q.device)[None, :] < cache_seqlens.clamp(min=1)[:, None]  # (B, L)
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    out = torch.matmul(scores.softmax(dim=-1), v)  # (B, groups, heads/groups, dv)
-    return out.reshape(b, 1, heads, -1)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, None, :], scale=softmax_scale)
+    return out[:, :, :per_group].reshape(b, 1, groups * per_group, -1)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,

@@ -1,0 +1,89 @@
+"""The rollout engine's paged attention (platform/paged_attention.py) against the training forward's
+core attention: every token's output must be the same bit for bit, for prompts (prefill) and for
+tokens generated one at a time (decode), with each request's keys in scattered cache blocks."""
+
+import pytest
+import torch
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
+
+from megatron_rl.platform import paged_attention
+from model_providers.attention import CoreAttention
+
+BLOCK = 32
+
+
+def training_attention(q, k, v):
+    """The training forward's causal attention (megatron's [s, b, heads, d] layout) -> (b, s, heads, d)."""
+    heads, groups, d = q.shape[2], k.shape[2], q.shape[3]
+    config = TransformerConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads,
+                               num_query_groups=groups, kv_channels=d)
+    attention = CoreAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal).eval()
+    with torch.no_grad():
+        out = attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attention_mask=None)
+    return out.view(q.shape[1], q.shape[0], heads, d).transpose(0, 1)
+
+
+def paged_cache(k, v, generator):
+    """k, v (b, s, groups, d) written into a block cache in scattered blocks, as megatron's dynamic
+    context keeps them: (num_blocks, BLOCK, groups, d) each, and the (b, max_blocks) block table."""
+    b, s = k.shape[:2]
+    per_request = -(-s // BLOCK)
+    num_blocks = 4 * b * per_request
+    cache = torch.randn(2, num_blocks, BLOCK, *k.shape[2:], generator=generator)  # unused slots hold junk
+    table = torch.randperm(num_blocks, generator=generator)[: b * per_request].view(b, per_request).int()
+    for i in range(b):
+        for j in range(s):
+            cache[0, table[i, j // BLOCK], j % BLOCK] = k[i, j]
+            cache[1, table[i, j // BLOCK], j % BLOCK] = v[i, j]
+    return cache[0], cache[1], torch.cat([table, torch.full((b, 2), -1, dtype=torch.int32)], dim=1)
+
+
+def random_qkv(b, s, heads, groups, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, s, heads, d, generator=g), torch.randn(b, s, groups, d, generator=g),
+            torch.randn(b, s, groups, d, generator=g), g)
+
+
+# (heads, groups): 2 query heads per key/value head (padded to MIN_GEMM_ROWS rows), 4, and plain
+# multi-head attention. Sequence lengths are multiples of 16, the CPU kernel's vector width (see
+# the note in paged_attention.py).
+@pytest.mark.parametrize("heads,groups,seq", [(4, 2, 16), (8, 2, 48), (4, 4, 32)])
+def test_decode_equals_training_attention_bitwise(heads, groups, seq):
+    q, k, v, g = random_qkv(6, seq, heads, groups, 32)
+    expected = training_attention(q, k, v)
+    k_cache, v_cache, table = paged_cache(k, v, g)
+    for t in range(seq):  # token t attends to the t + 1 cached keys, as when it was generated
+        lengths = torch.full((6,), t + 1, dtype=torch.int32)
+        lengths[0] = seq  # another request further along: the batch's gathered length exceeds t + 1
+        out = paged_attention.flash_attn_with_kvcache(q[1:, t:t + 1], k_cache, v_cache, lengths[1:], table[1:])
+        assert torch.equal(out[:, 0], expected[1:, t]), f"token {t}"
+
+
+def test_decode_needs_min_gemm_rows(monkeypatch):
+    """Without padding the query rows, 2 heads per key/value head do not give the training forward's
+    numbers (MKL sums a GEMM with fewer than 4 rows in another order)."""
+    q, k, v, g = random_qkv(6, 16, 4, 2, 32)
+    expected = training_attention(q, k, v)
+    k_cache, v_cache, table = paged_cache(k, v, g)
+    monkeypatch.setattr(paged_attention, "MIN_GEMM_ROWS", 1)
+    differs = []
+    for t in range(16):
+        out = paged_attention.flash_attn_with_kvcache(q[:, t:t + 1], k_cache, v_cache,
+                                                      torch.full((6,), t + 1, dtype=torch.int32), table)
+        differs.append(not torch.equal(out[:, 0], expected[:, t]))
+    assert any(differs), "MIN_GEMM_ROWS is not needed any more"
+
+
+def test_prefill_equals_training_attention_bitwise():
+    """Packed prompts of different lengths, each with its own cache blocks."""
+    q, k, v, g = random_qkv(4, 48, 8, 2, 32)
+    expected = training_attention(q, k, v)
+    k_cache, v_cache, table = paged_cache(k, v, g)
+    lengths = [48, 5, 33, 16]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    packed = torch.cat([q[i, :n] for i, n in enumerate(lengths)])
+    out = paged_attention.flash_attn_varlen_func(packed, k_cache, v_cache, cu, cu, max(lengths), max(lengths),
+                                                 block_table=table)
+    for i, n in enumerate(lengths):
+        assert torch.equal(out[cu[i]:cu[i + 1]], expected[i, :n]), f"request {i}"
