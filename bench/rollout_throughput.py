@@ -8,14 +8,15 @@ Two settings, both sampling at temperature 1 from the same prompts:
 - rl: end-of-sequence on, with its logit raised so that lengths vary as in RL rollouts (mean about
   a third of --new-tokens). transformers keeps finished sequences in the batch until the last one
   ends; our engine drops them, so they stop costing compute.
-Each engine runs --repeats times, the two taking turns, and the fastest run of each counts (this
-shared machine's speed drifts by up to 25% within minutes). Prints generated tokens/s of each, their ratio, and the GEMM-bound floor of this machine
-(2 x parameters x tokens FLOPs at the measured fp32 matmul rate) as a fraction reached.
+Each engine runs --repeats times, the two taking turns; the ratio is the median over pairs of
+adjacent runs (this shared machine's speed drifts by up to 25% within minutes), the tokens/s of
+each its fastest run. Also prints the GEMM-bound floor of this machine (2 x parameters x tokens
+FLOPs at the measured fp32 matmul rate) as a fraction reached.
 """
 
 import argparse
 import json
-import os
+import statistics
 import sys
 import tempfile
 import time
@@ -93,18 +94,16 @@ def our_generator(path, prompts, new_tokens, seed, stop_at_eos):
     return run
 
 
-def best_of(runners: dict, repeats: int) -> dict:
-    """Each runner `repeats` times, taking turns (so that load changes on the machine hit both
-    alike), after one warm-up run each; the fastest run of each counts."""
-    best = {}
-    for name, run in runners.items():
-        run()
-    for _ in range(repeats):
-        for name, run in runners.items():
-            dt, tokens = run()
-            if name not in best or dt < best[name][0]:
-                best[name] = (dt, tokens)
-    return best
+def paired_runs(ours, hf, repeats: int) -> tuple[list, list]:
+    """Both engines `repeats` times after one warm-up run each, back to back in alternating order:
+    this shared machine's speed drifts by up to 25% within minutes, so each pair of adjacent runs
+    gives a ratio measured at one speed. Returns each engine's (seconds, tokens) per run."""
+    ours(), hf()
+    runs = {"ours": [], "hf": []}
+    for i in range(repeats):
+        for name, run in (("ours", ours), ("hf", hf)) if i % 2 == 0 else (("hf", hf), ("ours", ours)):
+            runs[name].append(run())
+    return runs["ours"], runs["hf"]
 
 
 def raise_eos_logit(path: Path, eos: int, new_tokens: int):
@@ -128,7 +127,7 @@ def main():
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--size", choices=sorted(SIZES), default="25m")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs of each engine, taking turns; the best counts")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs of each engine, taking turns")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
 
@@ -162,12 +161,13 @@ def main():
             raise_eos_logit(tmp, tok.eos_token_id, args.new_tokens)
         runners = {"hf": hf_generator(tmp, prompts, args.new_tokens, 0, stop_at_eos),
                    "ours": our_generator(tmp, prompts, args.new_tokens, 0, stop_at_eos)}
-        best = best_of(runners, args.repeats)
-        (our_s, our_tokens), (hf_s, hf_tokens) = best["ours"], best["hf"]
-        our_tps, hf_tps = our_tokens / our_s, hf_tokens / hf_s
+        ours, hf = paired_runs(runners["ours"], runners["hf"], args.repeats)
+        ratios = sorted((t / s) / (ht / hs) for (s, t), (hs, ht) in zip(ours, hf))
+        our_tps, hf_tps = (max(t / s for s, t in runs) for runs in (ours, hf))  # the fastest run of each
         result[setting] = {"ours_tokens_per_s": round(our_tps, 1), "hf_generate_tokens_per_s": round(hf_tps, 1),
-                           "ours_over_hf": round(our_tps / hf_tps, 2), "ours_s": round(our_s, 2), "hf_s": round(hf_s, 2),
-                           "ours_tokens": our_tokens, "hf_tokens": hf_tokens,
+                           "ours_over_hf": round(statistics.median(ratios), 2),
+                           "ours_over_hf_range": [round(ratios[0], 2), round(ratios[-1], 2)],
+                           "ours_tokens": ours[0][1], "hf_tokens": hf[0][1],
                            "ours_fraction_of_floor": round(our_tps / floor_tps, 2)}
     print(json.dumps(result, indent=2))
     if args.json:

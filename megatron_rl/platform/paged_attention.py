@@ -41,7 +41,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cau
     k, v = _gather_kv(k_cache, v_cache, block_table, int(cache_seqlens.max()))  # (B, groups, L, d)
     b, groups, length, d = k.shape
     per_group = q.shape[2] // groups
-    qg = q.view(b, groups, per_group, d)  # heads are ordered group-major
+    qg = q.reshape(b, groups, per_group, d)  # heads are ordered group-major
     if per_group < MIN_GEMM_ROWS:
         qg = torch.cat([qg, qg.new_zeros(b, groups, MIN_GEMM_ROWS - per_group, d)], dim=2)
     valid = torch.arange(length, device=q.device)[None, :] < cache_seqlens.clamp(min=1)[:, None]  # (B, L)
