@@ -74,6 +74,9 @@ def deepseek_v3_grpo() -> Config:
 
     GB200: 32 x 4-GPU trays (two NVL72 racks): parallel.tp=4 parallel.dp=4 parallel.ep=16 with
     --world-size 128.
+
+    Not runnable yet: the rollout engine refuses multi-latent attention (megatron-core's dynamic
+    engine needs its latent KV cache and FlashMLA for it); the planner sizes it already.
     """
     model = ModelConfig(
         family="deepseek", num_layers=61, hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=128,

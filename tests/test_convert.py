@@ -97,6 +97,36 @@ def test_greedy_generation_matches_transformers(family, models, one_process, tmp
     assert len(set(tokens[0, 5:].tolist())) > 2  # it generates something, not one token repeated
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3", "nemotron"])
+def test_rollout_engine_matches_full_forward(family, models, one_process):
+    """megatron-core's dynamic engine (paged KV cache, platform/paged_attention.py without
+    flash-attn) on the imported model: its greedy tokens are the full forward's argmax, and its
+    logprobs the full forward's log-softmax (GQA, MoE, partial rotary). Multi-latent attention is
+    refused with a clear message (megatron's dynamic engine needs its latent cache and FlashMLA)."""
+    from transformers import AutoTokenizer
+
+    from megatron_rl.config import RolloutConfig
+    from megatron_rl.rollout.engine import RolloutEngine
+
+    chunks, model = megatron_model(models[family])
+    rollout = RolloutConfig(max_new_tokens=10, max_sequence_length=32, max_requests=4, kv_cache_gb=0.01)
+    tokenizer = AutoTokenizer.from_pretrained(str(models[family]))
+    if family == "deepseek_v3":
+        with pytest.raises(ConfigError, match="multi-latent attention models .* not supported yet"):
+            RolloutEngine(chunks, model, tokenizer, rollout, torch.float32)
+        return
+    engine = RolloutEngine(chunks, model, tokenizer, rollout, torch.float32, stop_at_eos=False)
+    prompts = [TOKENS[0, :5].tolist(), TOKENS[1, :9].tolist()]
+    out = engine.generate(prompts, greedy=True)
+    chunks[0].eval()
+    for prompt, completion, logprobs in zip(prompts, out.completions, out.logprobs):
+        assert len(completion) == 10
+        logits = megatron_logits(chunks[0], torch.tensor([prompt + completion]))[0, len(prompt) - 1:-1]
+        assert completion == logits.argmax(-1).tolist()
+        expected = logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        assert (torch.tensor(logprobs) - expected).abs().max() <= 1e-5
+
+
 def test_transformers_5_fused_experts_import(one_process, tmp_path):
     """MoE checkpoints in transformers 5's fused in-memory layout (experts.gate_up_proj) import too."""
     path = save_tiny_model("qwen3_moe", tmp_path / "fused", seed=3, fused=True)

@@ -30,7 +30,7 @@ from megatron_rl.hf import export_hf
 from megatron_rl.logging import RunLogger, plot_metrics
 from megatron_rl.profiling import Profiler
 from megatron_rl.rewards import RewardRunner
-from megatron_rl.rollout.engine import Rollout, RolloutEngine
+from megatron_rl.rollout.engine import Rollout, RolloutEngine, check_supported
 from megatron_rl.rollout.routing import RoutingTape, pack_routes, routes_queued
 from megatron_rl.training.logprobs import entropy, mask_padded_vocab, token_logprobs
 from megatron_rl.training.setup import build_model, build_trainee, compute_dtype, load_initial_state, write_run_assets
@@ -212,6 +212,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
     from megatron.core import parallel_state as ps
 
     a, r = cfg.algorithm, cfg.rollout
+    check_supported(cfg.model)
     tokenizer, train_path, val_path = data_files(cfg, run_dir)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = len(tokenizer)

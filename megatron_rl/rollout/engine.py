@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_rl.config import RolloutConfig
+from megatron_rl.config import ConfigError, RolloutConfig
 
 
 @dataclass
@@ -144,6 +144,14 @@ def _drop_inference_buffers():
         del buffers[key]
 
 
+def check_supported(m) -> None:
+    """Refuse, before anything is built, a model the engine cannot generate with."""
+    if m.multi_latent_attention:
+        raise ConfigError("rollouts of multi-latent attention models (DeepSeek) are not supported yet: megatron-core's "
+                          "dynamic engine runs MLA only with its latent KV cache (cache_mla_latents) and FlashMLA "
+                          "kernels, which this engine does not set up; train such models with SFT for now.")
+
+
 class RolloutEngine:
     def __init__(self, model_chunks: list, model_cfg, tokenizer, rollout: RolloutConfig, dtype: torch.dtype,
                  stop_at_eos: bool = True):
@@ -155,6 +163,7 @@ class RolloutEngine:
         from megatron.core.utils import get_attr_wrapped_model
         from model_providers.builder import padded_vocab_size
 
+        check_supported(model_cfg)
         self.chunks = model_chunks
         unwrapped = [c.module if hasattr(c, "ddp_config") else c for c in model_chunks]
         self.model = unwrapped[0]
