@@ -159,9 +159,8 @@ def main():
     for setting, stop_at_eos in (("fixed", False), ("rl", True)):
         if stop_at_eos:
             raise_eos_logit(tmp, tok.eos_token_id, args.new_tokens)
-        runners = {"hf": hf_generator(tmp, prompts, args.new_tokens, 0, stop_at_eos),
-                   "ours": our_generator(tmp, prompts, args.new_tokens, 0, stop_at_eos)}
-        ours, hf = paired_runs(runners["ours"], runners["hf"], args.repeats)
+        ours, hf = paired_runs(our_generator(tmp, prompts, args.new_tokens, 0, stop_at_eos),
+                               hf_generator(tmp, prompts, args.new_tokens, 0, stop_at_eos), args.repeats)
         ratios = sorted((t / s) / (ht / hs) for (s, t), (hs, ht) in zip(ours, hf))
         our_tps, hf_tps = (max(t / s for s, t in runs) for runs in (ours, hf))  # the fastest run of each
         result[setting] = {"ours_tokens_per_s": round(our_tps, 1), "hf_generate_tokens_per_s": round(hf_tps, 1),

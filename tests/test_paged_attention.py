@@ -45,34 +45,35 @@ def random_qkv(b, s, heads, groups, d, seed=0):
             torch.randn(b, s, groups, d, generator=g), g)
 
 
+def decode_matches_training(heads, groups, seq) -> list[bool]:
+    """Per token t: whether decode (t attending to its t + 1 cached keys, as when it was generated)
+    gives the training forward's output bit for bit. Another request in the batch is further
+    along, so the batch's gathered length exceeds t + 1."""
+    q, k, v, g = random_qkv(6, seq, heads, groups, 32)
+    expected = training_attention(q, k, v)
+    k_cache, v_cache, table = paged_cache(k, v, g)
+    matches = []
+    for t in range(seq):
+        lengths = torch.full((6,), t + 1, dtype=torch.int32)
+        lengths[0] = seq
+        out = paged_attention.flash_attn_with_kvcache(q[1:, t:t + 1], k_cache, v_cache, lengths[1:], table[1:])
+        matches.append(torch.equal(out[:, 0], expected[1:, t]))
+    return matches
+
+
 # (heads, groups): 2 query heads per key/value head (padded to MIN_GEMM_ROWS rows), 4, and plain
 # multi-head attention. Sequence lengths are multiples of 16, the CPU kernel's vector width (see
 # the note in paged_attention.py).
 @pytest.mark.parametrize("heads,groups,seq", [(4, 2, 16), (8, 2, 48), (4, 4, 32)])
 def test_decode_equals_training_attention_bitwise(heads, groups, seq):
-    q, k, v, g = random_qkv(6, seq, heads, groups, 32)
-    expected = training_attention(q, k, v)
-    k_cache, v_cache, table = paged_cache(k, v, g)
-    for t in range(seq):  # token t attends to the t + 1 cached keys, as when it was generated
-        lengths = torch.full((6,), t + 1, dtype=torch.int32)
-        lengths[0] = seq  # another request further along: the batch's gathered length exceeds t + 1
-        out = paged_attention.flash_attn_with_kvcache(q[1:, t:t + 1], k_cache, v_cache, lengths[1:], table[1:])
-        assert torch.equal(out[:, 0], expected[1:, t]), f"token {t}"
+    assert decode_matches_training(heads, groups, seq) == [True] * seq
 
 
 def test_decode_needs_min_gemm_rows(monkeypatch):
     """Without padding the query rows, 2 heads per key/value head do not give the training forward's
     numbers (MKL sums a GEMM with fewer than 4 rows in another order)."""
-    q, k, v, g = random_qkv(6, 16, 4, 2, 32)
-    expected = training_attention(q, k, v)
-    k_cache, v_cache, table = paged_cache(k, v, g)
     monkeypatch.setattr(paged_attention, "MIN_GEMM_ROWS", 1)
-    differs = []
-    for t in range(16):
-        out = paged_attention.flash_attn_with_kvcache(q[:, t:t + 1], k_cache, v_cache,
-                                                      torch.full((6,), t + 1, dtype=torch.int32), table)
-        differs.append(not torch.equal(out[:, 0], expected[:, t]))
-    assert any(differs), "MIN_GEMM_ROWS is not needed any more"
+    assert not all(decode_matches_training(4, 2, 16)), "MIN_GEMM_ROWS is not needed any more"
 
 
 def test_prefill_equals_training_attention_bitwise():
