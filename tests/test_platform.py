@@ -249,3 +249,30 @@ def test_dynamic_engine_patch_is_needed(patch, tmp_path):
     assert _run_script(DYNAMIC_ENGINE, tmp_path, tok, patch).returncode != 0, f"the {patch} patch is not needed any more"
     proc = _run_script(DYNAMIC_ENGINE, tmp_path, tok)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU patches apply only without CUDA")
+def test_linear_rows_do_not_depend_on_the_row_count(monkeypatch):
+    """A decode step feeds megatron's linear layers a few rows where training feeds thousands; the
+    rollout logprobs equal the training ones only if each row comes out the same either way. The
+    patched forward GEMM (oneDNN) does that; megatron's torch.matmul (MKL's sgemm) does not."""
+    from megatron.core.tensor_parallel import layers
+
+    torch.manual_seed(0)
+    x, w = torch.randn(256, 1, 96, requires_grad=True), torch.randn(160, 96, requires_grad=True)
+
+    def forward(rows):
+        return layers.LinearWithGradAccumulationAndAsyncCommunication.apply(x[:rows], w, None, False, False, False,
+                                                                            None, 0, None)
+
+    def row_count_changes_rows():
+        full = forward(len(x))
+        return [rows for rows in (2, 3, 5, 8, 64) if not torch.equal(forward(rows), full[:rows])]
+
+    full = forward(len(x))
+    torch.testing.assert_close(full, x @ w.t())
+    full.square().sum().backward()  # the backward is megatron's own
+    torch.testing.assert_close(w.grad, 2 * (x @ w.t()).flatten(0, 1).t() @ x.flatten(0, 1))
+    assert row_count_changes_rows() == []
+    monkeypatch.setattr(layers, "torch", platform.cpu.CPU_TORCH)  # megatron's GEMM as it comes
+    assert row_count_changes_rows() != [], "MKL gives each row the same result now; is the patch still needed?"
