@@ -34,29 +34,36 @@ SIZES = {  # Qwen3-shaped models
 }
 
 
-def matmul_tflops(n: int = 1024, repeat: int = 20) -> float:
-    """This machine's fp32 GEMM rate: the faster of torch.matmul and, on CPU, oneDNN's linear (which
+def synchronize(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_tflops(device: torch.device, n: int = 1024, repeat: int = 20) -> float:
+    """The device's fp32 GEMM rate: the faster of torch.matmul and, on CPU, oneDNN's linear (which
     our linear layers use there; on AMD CPUs it beats MKL's sgemm)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     gemms = [lambda: a @ b]
-    if not torch.cuda.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    if device.type == "cpu" and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         gemms.append(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""))
     best = 0.0
     for gemm in gemms:
         gemm()
+        synchronize(device)
         t0 = time.perf_counter()
         for _ in range(repeat):
             gemm()
+        synchronize(device)
         best = max(best, 2 * n**3 * repeat / (time.perf_counter() - t0) / 1e12)
     return best
 
 
-def hf_generator(path, prompts, new_tokens, seed, stop_at_eos):
+def hf_generator(path, prompts, new_tokens, seed, stop_at_eos, device):
     """A function that runs transformers' generate once and returns (seconds, generated tokens)."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    ids = torch.tensor(prompts)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval().to(device)
+    ids = torch.tensor(prompts, device=device)
     eos = model.generation_config.eos_token_id
 
     def run():
@@ -66,6 +73,7 @@ def hf_generator(path, prompts, new_tokens, seed, stop_at_eos):
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                  min_new_tokens=0 if stop_at_eos else new_tokens, do_sample=True, temperature=1.0,
                                  top_k=0, top_p=1.0)
+            synchronize(device)
             dt = time.perf_counter() - t0
         generated = out[:, ids.shape[1]:]
         if stop_at_eos:  # tokens up to and including each sequence's first eos
@@ -159,7 +167,7 @@ def main():
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, 36, (args.batch, args.prompt_len), generator=g).tolist()
 
-    flops = matmul_tflops()
+    flops = matmul_tflops(platform.device())
     floor_tps = flops * 1e12 / (2 * params)
     result = {"model": f"Qwen3-shaped {params / 1e6:.1f}M params, fp32", "batch": args.batch, "repeats": args.repeats,
               "max_new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "matmul_tflops": round(flops, 3),
@@ -168,7 +176,8 @@ def main():
         if stop_at_eos:
             raise_eos_logit(tmp, tok.eos_token_id, args.new_tokens)
         ours, hf = paired_runs(our_generator(tmp, prompts, args.new_tokens, 0, stop_at_eos),
-                               hf_generator(tmp, prompts, args.new_tokens, 0, stop_at_eos), args.repeats)
+                               hf_generator(tmp, prompts, args.new_tokens, 0, stop_at_eos, platform.device()),
+                               args.repeats)
         ratios = sorted((t / s) / (ht / hs) for (s, t), (hs, ht) in zip(ours, hf))
         our_tps, hf_tps = (max(t / s for s, t in runs) for runs in (ours, hf))  # the fastest run of each
         result[setting] = {"ours_tokens_per_s": round(our_tps, 1), "hf_generate_tokens_per_s": round(hf_tps, 1),
