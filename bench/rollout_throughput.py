@@ -42,10 +42,12 @@ def synchronize(device: torch.device):
 def matmul_tflops(device: torch.device, n: int = 1024, repeat: int = 20) -> float:
     """The device's fp32 GEMM rate: the faster of torch.matmul and, on CPU, oneDNN's linear (which
     our linear layers use there; on AMD CPUs it beats MKL's sgemm)."""
+    from megatron_rl.platform import cpu
+
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     gemms = [lambda: a @ b]
-    if device.type == "cpu" and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
-        gemms.append(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""))
+    if device.type == "cpu" and cpu.has_onednn_linear():
+        gemms.append(lambda: cpu.onednn_linear(a, b))
     best = 0.0
     for gemm in gemms:
         gemm()

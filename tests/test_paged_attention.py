@@ -62,8 +62,9 @@ def decode_matches_training(heads, groups, seq) -> list[bool]:
 
 
 # (heads, groups): 2 query heads per key/value head (padded to MIN_GEMM_ROWS rows), 4, 5 (MKL sums
-# 5-row GEMMs of the linear layers' shapes in another order; not SDPA's), and plain multi-head attention. Sequence lengths are multiples of 16, the CPU kernel's vector width (see
-# the note in paged_attention.py).
+# 5-row GEMMs of the linear layers' shapes in another order; not SDPA's), and plain multi-head
+# attention. Sequence lengths are multiples of 16, the CPU kernel's vector width (see the note in
+# paged_attention.py).
 @pytest.mark.parametrize("heads,groups,seq", [(4, 2, 16), (8, 2, 48), (10, 2, 32), (4, 4, 32)])
 def test_decode_equals_training_attention_bitwise(heads, groups, seq):
     assert decode_matches_training(heads, groups, seq) == [True] * seq

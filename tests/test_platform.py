@@ -251,7 +251,7 @@ def test_dynamic_engine_patch_is_needed(patch, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-@pytest.mark.skipif(torch.cuda.is_available() or not torch.backends.mkldnn.is_available(),
+@pytest.mark.skipif(torch.cuda.is_available() or not platform.cpu.has_onednn_linear(),
                     reason="the oneDNN GEMM patch applies only on CPU with oneDNN")
 def test_linear_rows_do_not_depend_on_the_row_count(monkeypatch):
     """A decode step feeds megatron's linear layers a few rows where training feeds thousands; the

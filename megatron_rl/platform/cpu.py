@@ -231,10 +231,19 @@ def _split_sizes_on_host(tensor, as_numpy=False, record_stream=False):
     return tensor
 
 
+def has_onednn_linear() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def onednn_linear(x, weight):
+    """x @ weight.t() by oneDNN (weight: (out, in))."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
 def _onednn_linear_matmul(a, b, **kwargs):
     """torch.matmul, except that `input @ weight.t()` in fp32 runs as oneDNN's linear."""
     if not kwargs and b.dim() == 2 and b.stride(0) == 1 and a.dtype == b.dtype == torch.float32:
-        return torch.ops.mkldnn._linear_pointwise(a, b.t(), None, "none", [], "")
+        return onednn_linear(a, b.t())
     return torch.matmul(a, b, **kwargs)
 
 
@@ -245,7 +254,7 @@ def _patch_linear_gemm(module):
     # 5-row calls in another order than of larger ones, where oneDNN gives every row the same
     # result whatever the row count (1 excepted; the engine pads each step to 8 rows). That is
     # what keeps rollout logprobs equal to training logprobs. Backward GEMMs stay on MKL.
-    if not hasattr(torch.ops.mkldnn, "_linear_pointwise") or not torch.backends.mkldnn.is_available():
+    if not has_onednn_linear():
         return
     namespace = types.ModuleType("torch(cpu, onednn linear)")
     namespace.__dict__.update(module.torch.__dict__)
