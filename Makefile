@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export PYTHONWARNINGS := ignore
 
-.PHONY: demo demo-moe test install test-fast clean
+.PHONY: demo demo-moe demo-preference test install test-fast clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,12 @@ demo: install
 demo-moe: install
 	$(BIN)/python train.py --recipe tiny_moe_sft
 	$(BIN)/python train.py --recipe tiny_moe_grpo
+
+# DPO, a reward model, and GRPO against that reward model, each from tiny_sft's checkpoint (run make demo first).
+demo-preference: install
+	$(BIN)/python train.py --recipe tiny_dpo
+	$(BIN)/python train.py --recipe tiny_rm
+	$(BIN)/python train.py --recipe tiny_grpo_rm
 
 # Two workers: many tests wait on process start-up and imports, so two share the two cores well.
 # Tests that start from the shared tiny_sft run form one xdist group (one worker trains it).

@@ -52,6 +52,11 @@ def main(argv=None) -> int:
         return 0
 
     run_dir = Path(cfg.logging.run_dir or f"runs/{cfg.recipe}")
+    fresh_dir = not run_dir.exists()
+    if cfg.train.threads:  # a run's numbers depend on the thread count on the CPU: recipes pin it
+        import torch
+
+        torch.set_num_threads(cfg.train.threads)
     p = cfg.parallel
     platform.init_distributed(launch)
     platform.init_model_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp if p.vpp > 1 else None, cp=p.cp, ep=p.ep,
@@ -66,6 +71,10 @@ def main(argv=None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         if launch.rank == 0:
             print(f"error: {e}", file=sys.stderr)
+            if fresh_dir:  # leave nothing half-written
+                import shutil
+
+                shutil.rmtree(run_dir, ignore_errors=True)
         platform.shutdown()
         return 2
     if launch.rank == 0:

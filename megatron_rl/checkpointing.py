@@ -164,6 +164,13 @@ def _prune(run_dir: Path, keep: int):
         shutil.rmtree(old, ignore_errors=True)
 
 
+def is_ours(path: str | Path) -> bool:
+    """Whether `path` is one of our checkpoints or a run directory holding them (else, say, an HF
+    directory; a run directory also has a config.json, ours)."""
+    path = Path(path)
+    return (path / MARKER).exists() or (path / "checkpoints").is_dir()
+
+
 def resolve(path: str | Path) -> Path:
     """A complete checkpoint directory, or a run directory standing for its latest one."""
     path = Path(path)
@@ -201,23 +208,41 @@ def check_model_matches(path: str | Path, model):
                          f"set those model.* fields to match.")
 
 
-def load_weights(model_chunks: list, path: str | Path):
-    """Load only the model weights of a checkpoint (any TP/PP/EP layout) into model_chunks."""
+def saved_head(path: str | Path) -> str:
+    """The head a checkpoint's model has: 'lm' (vocabulary) or 'score' (a reward model)."""
     from megatron.core import dist_checkpointing
 
+    return (dist_checkpointing.load_common_state_dict(str(path)).get("model_config") or {}).get("head", "lm")
+
+
+def load_weights(model_chunks: list, path: str | Path, head: str = "lm"):
+    """Load only the model weights of a checkpoint (any TP/PP/EP layout) into model_chunks, whose
+    model has `head`. A reward model (head 'score') loading a language model's checkpoint keeps its
+    fresh score head; the reverse is refused."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.training.heads import starts_fresh
+
     _require_complete(Path(path))
-    loaded = dist_checkpointing.load({"model": _model_state(model_chunks)}, str(path))
+    fresh = starts_fresh(saved_head(path), head, f"checkpoint {str(path)!r}")
+    state = _model_state(model_chunks)
+    if fresh:
+        state = {c: {k: v for k, v in sd.items() if not k.startswith("score_head.")} for c, sd in state.items()}
+    loaded = dist_checkpointing.load({"model": state}, str(path))
     for i, chunk in enumerate(model_chunks):
-        unwrap(chunk).load_state_dict(loaded["model"][f"chunk{i}"])
+        weights = loaded["model"][f"chunk{i}"]
+        if fresh:
+            weights.update({k: v for k, v in unwrap(chunk).state_dict().items() if k.startswith("score_head.")})
+        unwrap(chunk).load_state_dict(weights)
 
 
-def load(trainee, path: str | Path, weights_only: bool = False) -> dict:
+def load(trainee, path: str | Path, weights_only: bool = False, head: str = "lm") -> dict:
     """Load a checkpoint into trainee; returns {'step', 'extra'} (empty for weights only)."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
     if weights_only:
-        load_weights(trainee.model, path)
+        load_weights(trainee.model, path, head)
         trainee.optimizer.reload_model_params()
         return {}
     _require_complete(path)

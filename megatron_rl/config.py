@@ -107,6 +107,10 @@ class ModelConfig:
     hf_path: str = ""
     """A Hugging Face checkpoint directory: its config.json sets this section and its weights
     are loaded at the start (see tools/convert_checkpoint.py)."""
+    head: Literal["lm", "score"] = "lm"
+    """What sits on the last layer: the vocabulary output layer ('lm'), or one scalar per token
+    ('score': a reward model, algorithm.name=rm; embeddings are then untied). A score model
+    started from a language model drops its output layer and gets a fresh head."""
 
     def validate(self):
         _positive(self, "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
@@ -130,7 +134,7 @@ class ModelConfig:
             _positive(self, "kv_lora_rank", "qk_head_dim", "qk_pos_head_dim", "v_head_dim")
 
     TRAINING_CHOICES: ClassVar[tuple[str, ...]] = (
-        "hf_path", "init_method_std", "moe_aux_loss_type", "moe_aux_loss_coeff", "moe_expert_bias_update_rate",
+        "hf_path", "head", "init_method_std", "moe_aux_loss_type", "moe_aux_loss_coeff", "moe_expert_bias_update_rate",
         "moe_router_dtype", "moe_capacity_factor", "moe_dispatcher")
     """Fields that are choices of a training run rather than of the architecture: a checkpoint or HF
     model does not fix them."""
@@ -253,6 +257,10 @@ class DataConfig:
     val_path: str = ""
     tokenizer: str = ""
     """A Hugging Face tokenizer directory; empty means model.hf_path's, else the task's own (built locally)."""
+    pad_token: str = ""
+    """The tokenizer's pad token: empty keeps its own (eos when it has none), 'eos' pads with eos,
+    anything else names a token. A reward model reads its score at the last token that is not the
+    pad token, so with 'eos' at the last response token (as transformers does for such models)."""
     seq_length: int = 32
     """Tokens per sample after padding; longer samples are refused with their row number."""
     micro_batch_size: int = 16
@@ -268,6 +276,23 @@ class DataConfig:
     the 'answer' field, which rewards check, and the validation split stay exact."""
     seed: int = 0
     """Seed for generating and shuffling data."""
+    negatives: dict[str, float] = field(default_factory=lambda: {"plus1": 1.0})
+    """Arithmetic task, DPO and reward models: the mix of rejected answers, kind:weight with kinds
+    plus1, minus1, plus10, minus10, random, and policy (wrong answers sampled from the starting
+    checkpoint, checkpoint.load)."""
+    negatives_from: str = ""
+    """The language model whose wrong samples are the 'policy' negatives: a checkpoint (or run
+    directory) or a Hugging Face directory; empty means checkpoint.load or model.hf_path."""
+    max_prompt_length: int = 0
+    """DPO and reward models: a longer prompt is cut to this many tokens (as truncation_mode
+    says); 0 means no limit of its own."""
+    max_completion_length: int = 0
+    """DPO and reward models: a longer response keeps its first this many tokens (its eos
+    included); 0 means no limit of its own."""
+    truncation_mode: Literal["keep_end", "keep_start"] = "keep_end"
+    """DPO and reward models, for a pair still longer than data.seq_length allows: keep_end drops
+    tokens from the start of the (shared) prompt, keep_start from the end of the responses.
+    Truncated pairs are counted in the log (data/truncated_pairs)."""
 
     def validate(self, dp: int = 1, uses_global_batch: bool = True):
         """uses_global_batch: SFT's batches; GRPO's come from algorithm.prompts_per_step x rollout.n."""
@@ -284,7 +309,7 @@ class DataConfig:
 @dataclass(kw_only=True)
 class AlgorithmConfig:
     name: str = "sft"
-    """Which loop in megatron_rl/algorithms/ runs: sft or grpo."""
+    """Which loop in megatron_rl/algorithms/ runs: sft, grpo, dpo or rm (reward model)."""
     early_stop_patience: int = 0
     """SFT: stop after this many evaluations without a better val/loss; 0 means never stop early."""
     prompts_per_step: int = 32
@@ -331,6 +356,26 @@ class AlgorithmConfig:
     """Weight each token's loss by p_train / p_rollout of the sampled tokens (per token or per
     sequence), truncated at mismatch_threshold or masked outside [1/threshold, threshold]."""
     mismatch_threshold: float = 2.0
+    beta: float = 0.1
+    """DPO: the strength of the implicit KL constraint to the reference (TRL's beta)."""
+    preference_loss: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
+    """DPO: sigmoid -log s(beta x) (Rafailov et al.), ipo (x - 1/(2 beta))^2 on per-token mean
+    log-ratios (Azar et al.), or hinge max(0, 1 - beta x) (SLiC); x is the chosen minus the
+    rejected log-ratio to the reference."""
+    label_smoothing: float = 0.0
+    """DPO sigmoid loss: the assumed share of flipped labels e (conservative DPO):
+    -(1 - e) log s(beta x) - e log s(-beta x)."""
+    average_logprobs: Optional[bool] = None
+    """DPO: log-ratios as per-token means over the response instead of sums; unset (none) means
+    true for ipo and false otherwise."""
+    sft_loss_weight: float = 0.0
+    """DPO: add this times the mean NLL of the chosen responses' tokens (TRL's rpo_alpha)."""
+    precompute_reference: bool = False
+    """DPO: compute the reference log-probs of every pair once before training (cached in the run
+    directory) and free the reference model."""
+    center_rewards_coefficient: float = 0.0
+    """Reward model: add this times mean((r_c + r_r)^2), keeping scores centered at 0 (TRL's;
+    0.01 is a common value)."""
 
 
 @dataclass(kw_only=True)
@@ -381,6 +426,11 @@ class RewardsConfig:
     """DAPO's soft overlong penalty: completions longer than rollout.max_new_tokens minus this many
     tokens lose up to overlong_penalty, linearly; 0 turns it off."""
     overlong_penalty: float = 1.0
+    model: str = ""
+    """rewards.fn=reward_model: a reward model, our checkpoint (algorithm.name=rm) or a Hugging
+    Face *ForSequenceClassification directory; it runs in the policy's parallel layout."""
+    val_fn: str = ""
+    """The reward of validation (val/accuracy, val/reward_mean); empty means rewards.fn."""
 
 
 @dataclass(kw_only=True)
@@ -396,6 +446,9 @@ class TrainConfig:
     fp8: Literal["off", "e4m3", "hybrid"] = "off"
     """FP8 GEMMs through Transformer Engine where it is installed (else bf16, with a notice)."""
     recompute: Literal["none", "selective", "full"] = "none"
+    threads: int = 0
+    """CPU threads of each process (torch.set_num_threads); a run's numbers depend on it on the
+    CPU, so the tiny recipes pin it. 0 leaves torch's default (OMP_NUM_THREADS)."""
     """Activation recompute: 'selective' recomputes attention's core, 'full' each layer in the backward."""
 
 
@@ -455,6 +508,7 @@ class Config:
         self.parallel.validate(world_size, self.model)
         self.optimizer.validate()
         self.data.validate(self.parallel.data_parallel_size(world_size), uses_global_batch=self.algorithm.name != "grpo")
+        self._validate_heads_and_rewards()
         p = self.parallel
         split = (2 * p.cp if p.cp > 1 else 1) * (p.tp if p.sp else 1)
         if self.data.seq_length % split:
@@ -463,7 +517,11 @@ class Config:
                 f"rank times tp with sequence parallelism; change data.seq_length or parallel.cp/tp.")
         if self.algorithm.name == "grpo":
             self._validate_grpo(self.parallel.data_parallel_size(world_size))
+        if self.algorithm.name == "dpo":
+            self._validate_dpo()
         _positive(self.train, "max_steps")
+        if self.train.threads < 0:
+            raise ConfigError(f"train.threads={self.train.threads} must be >= 0 (0: torch's default).")
         if self.train.eval_every < 0 or self.checkpoint.save_every < 0:
             raise ConfigError("train.eval_every and checkpoint.save_every must be >= 0 (0 means at the end only).")
         return self
@@ -506,6 +564,43 @@ class Config:
         if not 0 <= self.rewards.overlong_buffer < r.max_new_tokens:
             raise ConfigError(f"rewards.overlong_buffer={self.rewards.overlong_buffer} must be in [0, "
                               f"rollout.max_new_tokens={r.max_new_tokens}).")
+
+    def _validate_heads_and_rewards(self):
+        a, m, r = self.algorithm, self.model, self.rewards
+        if a.name == "rm" and m.head != "score":
+            raise ConfigError("algorithm.name=rm trains a scalar score head: set model.head=score.")
+        if a.name != "rm" and m.head != "lm":
+            raise ConfigError(f"algorithm.name={a.name} trains a language model, but model.head={m.head!r}: set "
+                              f"model.head=lm (a reward model is trained with algorithm.name=rm).")
+        if (r.fn == "reward_model") != bool(r.model):
+            raise ConfigError("rewards.fn=reward_model and rewards.model=PATH go together: set both (a reward-model "
+                              "checkpoint or HF *ForSequenceClassification directory) or neither.")
+        d = self.data
+        if min(d.max_prompt_length, d.max_completion_length) < 0:
+            raise ConfigError("data.max_prompt_length and data.max_completion_length must be >= 0 (0: no limit).")
+        if a.name in ("dpo", "rm") and d.task == "arithmetic":
+            from megatron_rl.data.arithmetic import NEGATIVES
+
+            unknown = sorted(set(d.negatives) - set(NEGATIVES))
+            if unknown or not d.negatives or min(d.negatives.values()) < 0 or not sum(d.negatives.values()):
+                raise ConfigError(f"data.negatives={d.negatives} must give non-negative weights (not all 0) to kinds "
+                                  f"among {', '.join(NEGATIVES)}.")
+            if "policy" in d.negatives and not (d.negatives_from or self.checkpoint.load or m.hf_path):
+                raise ConfigError("data.negatives has 'policy', wrong answers sampled from a language model: set "
+                                  "data.negatives_from (or checkpoint.load, or model.hf_path) to it.")
+
+    def _validate_dpo(self):
+        a = self.algorithm
+        if a.beta <= 0:
+            raise ConfigError(f"algorithm.beta={a.beta} must be positive (DPO's KL strength; 0.1 is usual).")
+        if a.preference_loss == "ipo" and a.average_logprobs is False:
+            raise ConfigError("algorithm.preference_loss=ipo is defined on per-token mean log-ratios; unset "
+                              "algorithm.average_logprobs (none) or set it to true.")
+        if not 0 <= a.label_smoothing < 0.5 or (a.label_smoothing and a.preference_loss != "sigmoid"):
+            raise ConfigError(f"algorithm.label_smoothing={a.label_smoothing} must be in [0, 0.5) and needs "
+                              f"algorithm.preference_loss=sigmoid.")
+        if a.sft_loss_weight < 0:
+            raise ConfigError(f"algorithm.sft_loss_weight={a.sft_loss_weight} must be >= 0.")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

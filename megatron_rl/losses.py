@@ -4,6 +4,7 @@ Shapes: (N,) per sample, (N, T) per token with a 0/1 `mask` of the tokens that c
 """
 
 import torch
+import torch.nn.functional as F
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, baseline: str = "mean", std: str = "group",
@@ -182,3 +183,39 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum()
+
+
+# --- preferences: DPO and reward models -------------------------------------------------------
+
+
+def preference_loss(delta_chosen: torch.Tensor, delta_rejected: torch.Tensor, beta: float, kind: str = "sigmoid",
+                    label_smoothing: float = 0.0) -> torch.Tensor:
+    """Per-pair loss (N,) of the DPO family from each response's log-ratio to the reference,
+    delta = sum_t (log pi(y_t) - log pi_ref(y_t)) over its tokens (or the per-token mean), x = delta_c - delta_r.
+
+    'sigmoid' (DPO, Rafailov et al. 2023): -log s(beta x); with label smoothing e (the assumed share
+    of flipped labels): -(1 - e) log s(beta x) - e log s(-beta x). 'ipo' (Azar et al. 2023):
+    (x - 1 / (2 beta))^2, on per-token mean log-ratios. 'hinge' (SLiC): max(0, 1 - beta x).
+    """
+    x = delta_chosen - delta_rejected
+    match kind:
+        case "sigmoid":
+            return -(1 - label_smoothing) * F.logsigmoid(beta * x) - label_smoothing * F.logsigmoid(-beta * x)
+        case "ipo":
+            return (x - 1 / (2 * beta)) ** 2
+        case "hinge":
+            return torch.relu(1 - beta * x)
+    raise ValueError(f"unknown preference loss {kind!r}; use 'sigmoid', 'ipo' or 'hinge'")
+
+
+def bradley_terry_loss(score_chosen: torch.Tensor, score_rejected: torch.Tensor, margin: torch.Tensor | None = None,
+                       center_coefficient: float = 0.0) -> torch.Tensor:
+    """Per-pair reward-model loss (N,): -log s(r_c - r_r - margin), plus c (r_c + r_r)^2 when
+    centering (TRL's center_rewards_coefficient), which pins the scores' free offset near 0."""
+    diff = score_chosen - score_rejected
+    if margin is not None:
+        diff = diff - margin
+    loss = -F.logsigmoid(diff)
+    if center_coefficient:
+        loss = loss + center_coefficient * (score_chosen + score_rejected) ** 2
+    return loss

@@ -171,15 +171,20 @@ class Provider:
         """The GPTModel holding this rank's layers of one (virtual) pipeline stage."""
         from megatron.core.models.gpt import GPTModel
 
+        from megatron_rl.training.heads import score_model_class
+
         m = self.model
-        model = GPTModel(
+        # A reward model's last stage ends in a scalar head (embeddings untied) instead of the vocabulary.
+        model_class, tied = (score_model_class(), {}) if m.head == "score" else (
+            GPTModel, {"share_embeddings_and_output_weights": m.tie_embeddings})
+        model = model_class(
             config=config,
             transformer_layer_spec=self.layer_spec(config, vp_stage),
             vocab_size=padded_vocab_size(m.vocab_size),
             max_sequence_length=m.max_position_embeddings,
             pre_process=pre_process,
             post_process=post_process,
-            share_embeddings_and_output_weights=m.tie_embeddings,
+            **tied,
             position_embedding_type="rope",
             rotary_percent=m.rotary_percent,
             rotary_base=int(m.rotary_base),

@@ -93,9 +93,13 @@ def norm_rules(megatron: str, hf: str, m: ModelConfig) -> list[Rule]:
 
 
 def embedding_rules(m: ModelConfig) -> list[Rule]:
+    """Embedding, final norm and the head: the vocabulary's (lm_head, unless tied) or a reward
+    model's scalar one (transformers' *ForSequenceClassification `score`)."""
     rules = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
              *norm_rules("decoder.final_layernorm", "model.norm", m)]
-    if not m.tie_embeddings:
+    if m.head == "score":
+        rules.append(Rule("score_head.weight", ("score.weight",)))
+    elif not m.tie_embeddings:
         rules.append(Rule("output_layer.weight", ("lm_head.weight",), "vocab"))
     return rules
 

@@ -40,6 +40,21 @@ def run_train(args: list[str], nproc: int = 1, timeout: int = 600, check: bool =
     return proc
 
 
+def run_recipes(runs: list[list[str]], nproc: int = 1, timeout: int = 900) -> subprocess.CompletedProcess:
+    """Several train.py argument lists run one after another in one process group
+    (tests/scripts/run_recipes.py): start-up and imports are paid once."""
+    script = str(ROOT / "tests" / "scripts" / "run_recipes.py")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": threads(nproc), "MASTER_PORT": str(free_port())}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
+        env.pop(k, None)
+    cmd = ([sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                                                f"--master_port={free_port()}"]) + [script, json.dumps(runs)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
 def processes(layout: list[str]) -> int:
     """The world size a layout of parallel.{tp,pp,cp,dp}=N overrides needs."""
     return math.prod(int(o.split("=")[1]) for o in layout

@@ -75,17 +75,22 @@ def make_tokenizer(out_dir: Path):
 
 
 def save_tiny_model(family: str, out_dir: Path, seed: int = 0, dtype=torch.float32, fused: bool = False,
-                    **overrides) -> Path:
+                    reward_model: bool = False, pad_is_eos: bool = False, **overrides) -> Path:
     """Build, randomize and save_pretrained a tiny model of `family`, with a tokenizer. `fused`:
-    write MoE experts in transformers 5's in-memory layout instead of the hub's."""
+    write MoE experts in transformers 5's in-memory layout instead of the hub's. `reward_model`: a
+    *ForSequenceClassification with one label; `pad_is_eos`: the tokenizer pads with eos."""
     import transformers
 
     cls_name, kwargs = FAMILIES[family]
     tok = make_tokenizer(out_dir)
+    if pad_is_eos:
+        tok.pad_token = tok.eos_token
+        tok.save_pretrained(str(out_dir))
     config = getattr(transformers, cls_name)(vocab_size=VOCAB, bos_token_id=tok.bos_token_id,
                                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                                             **{**kwargs, **overrides})
-    model = transformers.AutoModelForCausalLM.from_config(config)
+                                             **{**kwargs, **overrides}, **({"num_labels": 1} if reward_model else {}))
+    auto = transformers.AutoModelForSequenceClassification if reward_model else transformers.AutoModelForCausalLM
+    model = auto.from_config(config)
     randomize_(model, seed)
     model.to(dtype).save_pretrained(str(out_dir), save_original_format=not fused)
     return out_dir

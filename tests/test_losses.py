@@ -173,3 +173,52 @@ def test_gdpo_normalizes_each_component_in_its_group():
 def test_informative_groups():
     rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
     assert losses.informative_groups(rewards, 2).tolist() == [False, True, False]
+
+
+# --- preferences ---------------------------------------------------------------------------------
+
+
+def _sig(x):
+    return 1 / (1 + math.exp(-x))
+
+
+@pytest.mark.parametrize("kind, smoothing", [("sigmoid", 0.0), ("sigmoid", 0.1), ("ipo", 0.0), ("hinge", 0.0)])
+def test_preference_losses_and_their_gradients(kind, smoothing):
+    """Each DPO-family loss and its derivative in x = delta_c - delta_r, from the formulas by hand."""
+    beta = 0.5
+    chosen = torch.tensor([0.3, -1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    rejected = torch.tensor([0.1, 1.0, 0.0], dtype=torch.float64, requires_grad=True)
+    loss = losses.preference_loss(chosen, rejected, beta, kind, smoothing)
+    loss.sum().backward()
+    for i, x in enumerate((0.2, -2.0, 2.0)):
+        if kind == "sigmoid":  # -(1-e) log s(bx) - e log s(-bx); d/dx = -(1-e) b s(-bx) + e b s(bx)
+            value = -(1 - smoothing) * math.log(_sig(beta * x)) - smoothing * math.log(_sig(-beta * x))
+            slope = -(1 - smoothing) * beta * _sig(-beta * x) + smoothing * beta * _sig(beta * x)
+        elif kind == "ipo":  # (x - 1/(2b))^2
+            value, slope = (x - 1 / (2 * beta)) ** 2, 2 * (x - 1 / (2 * beta))
+        else:  # max(0, 1 - b x)
+            value, slope = max(0.0, 1 - beta * x), (-beta if 1 - beta * x > 0 else 0.0)
+        assert loss[i].item() == pytest.approx(value, rel=1e-12)
+        assert chosen.grad[i].item() == pytest.approx(slope, rel=1e-12)
+        assert rejected.grad[i].item() == pytest.approx(-slope, rel=1e-12)
+
+
+def test_dpo_loss_is_ln2_when_the_policy_is_the_reference():
+    zero = torch.zeros(4)
+    assert losses.preference_loss(zero, zero, 0.1).tolist() == pytest.approx([math.log(2)] * 4, abs=1e-7)
+    with pytest.raises(ValueError, match="unknown preference loss"):
+        losses.preference_loss(zero, zero, 0.1, "robust")
+
+
+def test_bradley_terry_with_margin_and_centering():
+    rc = torch.tensor([1.0, -0.5], dtype=torch.float64, requires_grad=True)
+    rr = torch.tensor([0.0, 0.5], dtype=torch.float64, requires_grad=True)
+    margin = torch.tensor([0.5, 0.0], dtype=torch.float64)
+    loss = losses.bradley_terry_loss(rc, rr, margin, center_coefficient=0.01)
+    loss.sum().backward()
+    # pair 0: d = 1 - 0 - 0.5 = 0.5; pair 1: d = -1. Centering adds 0.01 (rc + rr)^2.
+    assert loss.tolist() == pytest.approx([-math.log(_sig(0.5)) + 0.01 * 1.0, -math.log(_sig(-1.0)) + 0.0])
+    assert rc.grad.tolist() == pytest.approx([-_sig(-0.5) + 0.02 * 1.0, -_sig(1.0) + 0.0])
+    assert rr.grad.tolist() == pytest.approx([_sig(-0.5) + 0.02 * 1.0, _sig(1.0) + 0.0])
+    plain = losses.bradley_terry_loss(rc.detach(), rr.detach())
+    assert plain.tolist() == pytest.approx([-math.log(_sig(1.0)), -math.log(_sig(-1.0))])

@@ -87,7 +87,7 @@ def main(argv=None) -> int:
                     shutil.rmtree(out)
                 os.replace(tmp, out)
         else:
-            checkpointing.load_weights(chunks, args.megatron)
+            checkpointing.load_weights(chunks, args.megatron, model.head)
             export_hf(chunks, model, out, assets=Path(args.megatron) / checkpointing.ASSETS,
                       dtype=DTYPES.get(args.dtype), max_shard_bytes=parse_size(args.max_shard_size),
                       overwrite=args.overwrite)

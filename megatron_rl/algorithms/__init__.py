@@ -2,7 +2,7 @@
 
 import importlib
 
-ALGORITHMS = {"sft": "megatron_rl.algorithms.sft", "grpo": "megatron_rl.algorithms.grpo"}
+ALGORITHMS = {name: f"megatron_rl.algorithms.{name}" for name in ("sft", "grpo", "dpo", "rm")}
 
 
 def get_algorithm(name: str):

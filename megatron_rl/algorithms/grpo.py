@@ -21,20 +21,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_rl import checkpointing, losses
+from megatron_rl import losses
 from megatron_rl.config import Config, ConfigError
 from megatron_rl.data import rl as rl_data
 from megatron_rl.data.sft import Batches, microbatches, read_jsonl
 from megatron_rl.data.tasks import data_files
-from megatron_rl.hf import export_hf
-from megatron_rl.logging import RunLogger, plot_metrics
-from megatron_rl.profiling import Profiler
-from megatron_rl.rewards import RewardRunner
+from megatron_rl.rewards import build_scorer
 from megatron_rl.rollout.engine import Rollout, RolloutEngine, check_supported
+from megatron_rl.rollout.evaluate import decode, greedy_eval
 from megatron_rl.rollout.routing import RoutingTape, pack_routes, routes_queued
 from megatron_rl.training.logprobs import entropy, mask_padded_vocab, token_logprobs
-from megatron_rl.training.setup import build_model, build_trainee, compute_dtype, load_initial_state, write_run_assets
-from megatron_rl.training.step import cp_sum, first_cp_rank, forward_backward, optimizer_step, reduce_reports, zero_grads
+from megatron_rl.training.loop import due, finish, save_if_due, start_log, train_step
+from megatron_rl.training.reference import build_reference
+from megatron_rl.training.setup import build_trainee, compute_dtype, load_initial_state, write_run_assets
+from megatron_rl.training.step import cp_sum, first_cp_rank, forward_only, global_mean
 
 
 def policy_loss(a, logp: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,19 +80,16 @@ def logprobs_of(model_chunks: list, batch: dict, micro_batch_size: int, vocab_si
     """Per-token logprobs of the labels (N, S) under `model_chunks`, from the training forward
     (valid on the last pipeline stage; zeros elsewhere). tape: the model's RoutingTape, replaying
     the rollout's routes (or comparing with them)."""
-    from types import SimpleNamespace
-
     out = torch.zeros_like(batch["loss_mask"])
 
-    def capture(mb, logits):
+    def collect(mb, logits):
         lp = token_logprobs(mask_padded_vocab(logits, vocab_size), mb["labels"]).float()
         out[mb["index"][:, None], mb["positions"][None, :]] = lp
-        return logits.sum() * 0, torch.tensor(1), {}
 
     keys = ("tokens", "labels", "index", *(["routes", "fed"] if tape is not None else []))
     micro = microbatches({k: batch[k] for k in keys}, micro_batch_size)
-    with routes_queued(tape, micro, replay), torch.no_grad():
-        forward_backward(SimpleNamespace(model=model_chunks), micro, capture, forward_only=True)
+    with routes_queued(tape, micro, replay):
+        forward_only(model_chunks, micro, collect)
     return cp_sum(out)  # each context-parallel rank filled the positions it holds
 
 
@@ -133,10 +130,10 @@ class Scored:
 def score(cfg: Config, runner, tokenizer, prompts, metadata, rollout) -> Scored:
     """Score a rollout; with rewards.overlong_buffer, DAPO's overlong penalty is added to the reward."""
     n = len(rollout.completions) // max(len(prompts), 1)
-    texts = [tokenizer.decode(p, skip_special_tokens=True) for p in prompts]
-    completions = [tokenizer.decode(c, skip_special_tokens=True) for c in rollout.completions]
-    scores = runner.score([texts[i // n] for i in range(len(completions))], completions,
-                          [metadata[i // n] for i in range(len(completions))])
+    texts = decode(tokenizer, prompts)
+    each = range(len(rollout.completions))
+    scores = runner.score([texts[i // n] for i in each], decode(tokenizer, rollout.completions),
+                          [metadata[i // n] for i in each], ids=(rollout.prompts, rollout.completions))
     raw = torch.tensor(scores.rewards, dtype=torch.float)
     components = {k: torch.tensor(v, dtype=torch.float) for k, v in scores.components.items()}
     rewards = raw
@@ -165,13 +162,40 @@ def sample(cfg: Config, step: int, engine, runner, tokenizer, next_prompts, seed
             return parts[0], {}
         want = len(parts[0].prompts)
         informative = torch.cat([losses.informative_groups(p.raw, r.n) for p in parts])
-        if int(informative.sum()) >= want or rounds == a.dynamic_sampling_rounds:
+        # Every data-parallel rank samples the same number of rounds: rollouts (expert parallelism) and
+        # reward models are collective over ranks that hold different prompts.
+        if everywhere(int(informative.sum()) >= want) or rounds == a.dynamic_sampling_rounds:
             break
         rounds += 1
     scored = Scored.cat(parts)
     order = informative.nonzero().flatten().tolist() + (~informative).nonzero().flatten().tolist()
     stats = {"rollout/dynamic_sampling_rounds": float(rounds), "rollout/dropped_groups": float((~informative).sum())}
     return scored.select(sorted(order[:want]), r.n), stats
+
+
+def everywhere(flag: bool) -> bool:
+    """Whether `flag` holds on every data-parallel rank."""
+    from megatron.core import parallel_state as ps
+
+    t = torch.tensor([float(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ps.get_data_parallel_group())
+    return bool(t.item())
+
+
+def reward_model_stats(scores: torch.Tensor) -> dict:
+    """reward_model/mean, std, min, max of the reward model's scores over the global batch."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_data_parallel_group()
+    sums = torch.tensor([scores.sum().item(), (scores.double() ** 2).sum().item(), float(len(scores))],
+                        dtype=torch.float64)
+    low, high = torch.tensor([scores.min().item()]), torch.tensor([scores.max().item()])
+    dist.all_reduce(sums, group=group)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+    mean = sums[0] / sums[2]
+    return {"reward_model/mean": mean.item(), "reward_model/std": (sums[1] / sums[2] - mean**2).clamp(min=0).sqrt().item(),
+            "reward_model/min": low.item(), "reward_model/max": high.item()}
 
 
 def advantages_of(cfg: Config, scored: Scored) -> torch.Tensor:
@@ -184,28 +208,6 @@ def advantages_of(cfg: Config, scored: Scored) -> torch.Tensor:
         weights = torch.tensor([cfg.rewards.weights.get(k, 1.0) for k in names])
         return losses.gdpo_advantages(torch.stack([scored.components[k] for k in names], dim=1), weights, n)
     return losses.group_advantages(scored.rewards, n, a.baseline, a.std_normalization)
-
-
-def global_mean(values: dict[str, float], count: float) -> dict[str, float]:
-    """Sums over data-parallel ranks divided by the global count."""
-    from megatron.core import parallel_state as ps
-
-    t = torch.tensor([*values.values(), count], dtype=torch.float64)
-    dist.all_reduce(t, group=ps.get_data_parallel_group())
-    return {k: v / max(t[-1].item(), 1) for k, v in zip(values, t[:-1].tolist())}
-
-
-def evaluate(cfg: Config, engine, runner, tokenizer, prompts, metadata) -> dict:
-    """Greedy decoding of the held-out prompts (this DP rank's share): val/accuracy, val/reward_mean
-    (of the reward function's own output, without shaping)."""
-    from megatron.core import parallel_state as ps
-
-    rank, size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    mine_prompts = prompts[rank::size]
-    rollout = engine.generate(mine_prompts, n=1, greedy=True)
-    rewards = score(cfg, runner, tokenizer, mine_prompts, metadata[rank::size], rollout).raw
-    return global_mean({"val/reward_mean": rewards.sum().item(), "val/accuracy": (rewards >= 1).sum().item()},
-                       len(mine_prompts))
 
 
 def run(cfg: Config, run_dir: Path) -> dict:
@@ -231,25 +233,19 @@ def run(cfg: Config, run_dir: Path) -> dict:
     step = state["step"] if state else 0
     if state:
         stream.load_state_dict(state["extra"]["data"])
-    reference = None
-    if a.kl_coef:  # the frozen initial policy
-        reference, _ = build_model(cfg, wrap_ddp=False)
-        for ref, chunk in zip(reference, trainee.model):
-            ref.load_state_dict(checkpointing.unwrap(chunk).state_dict())
-            ref.eval()
+    reference = build_reference(cfg, trainee, resumed=latest is not None) if a.kl_coef else None
     engine = RolloutEngine(trainee.model, cfg.model, tokenizer, r, compute_dtype(cfg))
     tape = ref_tape = None
     if cfg.model.num_experts:  # MoE: record the rollout's routing; replay it or measure the mismatch
         tape = RoutingTape(trainee.model, cfg.model.moe_topk, cfg.parallel.sp)
         ref_tape = RoutingTape(reference, cfg.model.moe_topk, cfg.parallel.sp) if reference is not None else None
-    runner = RewardRunner(cfg.rewards.fn, cfg.rewards.timeout_s, cfg.rewards.workers, cfg.rewards.weights)
-    log = RunLogger(run_dir, cfg.train.max_steps, step, enabled=dist.get_rank() == 0,
-                    tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress, desc=cfg.recipe or "grpo")
-    if latest is not None:
-        log.write(f"resumed from {latest} at step {step}")
-    prof = Profiler(cfg.profiling.nvtx, cfg.profiling.nsys_start, cfg.profiling.nsys_end)
+    runner = build_scorer(cfg, cfg.rewards.fn, tokenizer)
+    val_fn = cfg.rewards.val_fn or cfg.rewards.fn
+    val_scorer = runner if val_fn == cfg.rewards.fn else build_scorer(cfg, val_fn, tokenizer)
+    by_model = cfg.rewards.fn == "reward_model"
+    log, prof = start_log(cfg, run_dir, step, latest)
     if step == 0 and val_prompts:  # the starting point, logged as step 0
-        log.log(0, evaluate(cfg, engine, runner, tokenizer, val_prompts, val_meta))
+        log.log(0, greedy_eval(engine, val_scorer, tokenizer, val_prompts, val_meta))
 
     metrics = {}
     while step < cfg.train.max_steps:
@@ -286,11 +282,12 @@ def run(cfg: Config, run_dir: Path) -> dict:
         n_local = len(rewards)
         generated = sum(rollout.lengths)
         metrics = {
-            **global_mean({"rollout/reward_mean": rewards.sum().item(), "rollout/accuracy": (rewards >= 1).sum().item(),
+            **global_mean({"rollout/reward_mean": rewards.sum().item(),
+                           **({} if by_model else {"rollout/accuracy": (rewards >= 1).sum().item()}),
                            "rollout/response_len_mean": float(generated),
                            "rollout/truncated_frac": float(sum(rollout.truncated)),
                            "rollout/reward_failure_frac": float(scored.failures)}, n_local),
-            **sampling_stats, **mismatch, **train_metrics, **times, **routing_stats(tape, a.router_replay),
+            **(reward_model_stats(rewards) if by_model else {}), **sampling_stats, **mismatch, **train_metrics, **times, **routing_stats(tape, a.router_replay),
             "perf/rollout_tokens_per_s": generated * dp / times["perf/time_rollout_s"],
             "perf/train_tokens_per_s": batch["loss_mask"].sum().item() * dp * a.epochs / times["perf/time_train_s"],
             "train/lr": trainee.scheduler.get_lr(trainee.optimizer.param_groups[0]),
@@ -299,20 +296,14 @@ def run(cfg: Config, run_dir: Path) -> dict:
             log.write(f"warning: step {step}: {scored.failures} samples got reward 0 because scoring failed "
                       f"({'; '.join(scored.errors[:3])})")
         is_last = step == cfg.train.max_steps
-        if val_prompts and (is_last or (cfg.train.eval_every and step % cfg.train.eval_every == 0)):
+        if val_prompts and due(step, cfg.train.eval_every, is_last):
             with prof.range("eval"):
-                metrics.update(evaluate(cfg, engine, runner, tokenizer, val_prompts, val_meta))
+                metrics.update(greedy_eval(engine, val_scorer, tokenizer, val_prompts, val_meta))
         log.log(step, metrics)
-        if cfg.checkpoint.save and (is_last or (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0)):
-            checkpointing.save(trainee, run_dir, step, {"data": stream.state_dict()}, cfg.checkpoint.keep,
-                               model=cfg.model, assets=assets)
+        save_if_due(cfg, trainee, run_dir, step, is_last, stream.state_dict(), assets)
     runner.close()
-    if cfg.checkpoint.export_hf:
-        log.write(f"wrote {export_hf(trainee.model, cfg.model, run_dir / 'hf', assets=assets, overwrite=True)}")
-    if dist.get_rank() == 0:
-        log.write(f"plot: {plot_metrics(run_dir, ['rollout/reward_mean', 'val/accuracy'])}")
-    log.close()
-    return log.last if dist.get_rank() == 0 else metrics
+    val_scorer.close()
+    return finish(cfg, trainee, run_dir, assets, log, metrics, plot=["rollout/reward_mean", "val/accuracy"])
 
 
 def routing_stats(tape, replay: bool) -> dict:
@@ -360,11 +351,9 @@ def train_on(trainee, cfg: Config, batch: dict, tape=None) -> dict:
             order = torch.randperm(n, generator=torch.Generator().manual_seed(epoch))
         for m in range(a.minibatches):
             idx = order[m * per_minibatch : (m + 1) * per_minibatch]
-            zero_grads(trainee)
             micro = microbatches({k: batch[k][idx] for k in keys}, cfg.data.micro_batch_size)
             with routes_queued(tape, micro, a.router_replay):
-                report = reduce_reports(forward_backward(trainee, micro, loss_fn))
-            _, grad_norm = optimizer_step(trainee)
+                report, grad_norm = train_step(trainee, micro, loss_fn)
             grad_norms.append(grad_norm)
             for k, v in report.items():
                 sums[k] = sums.get(k, 0.0) + v

@@ -11,18 +11,14 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from megatron_rl import checkpointing
 from megatron_rl.config import Config
 from megatron_rl.data import sft as sft_data
 from megatron_rl.data.tasks import data_files
-from megatron_rl.hf import export_hf
-from megatron_rl.logging import RunLogger
-from megatron_rl.profiling import Profiler
 from megatron_rl.training.logprobs import argmax_equals, mask_padded_vocab, token_logprobs
+from megatron_rl.training.loop import due, finish, save_if_due, start_log, train_step
 from megatron_rl.training.setup import build_trainee, load_initial_state, write_run_assets
-from megatron_rl.training.step import cp_sum, first_cp_rank, forward_backward, optimizer_step, reduce_reports, zero_grads
+from megatron_rl.training.step import cp_sum, first_cp_rank, forward_backward, reduce_reports
 
 
 def sft_loss(vocab_size: int, batch: dict, logits: torch.Tensor):
@@ -84,11 +80,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
     if state:
         batches.load_state_dict(state["extra"]["data"])
 
-    log = RunLogger(run_dir, cfg.train.max_steps, step, enabled=dist.get_rank() == 0,
-                    tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress, desc=cfg.recipe or "sft")
-    if latest is not None:
-        log.write(f"resumed from {latest} at step {step}")
-    prof = Profiler(cfg.profiling.nvtx, cfg.profiling.nsys_start, cfg.profiling.nsys_end)
+    log, prof = start_log(cfg, run_dir, step, latest)
     loss_fn = partial(sft_loss, cfg.model.vocab_size)
     best, stale, metrics = float("inf"), 0, {}
     trainee.train()
@@ -96,10 +88,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
         prof.step(step)
         t0 = time.perf_counter()
         with prof.range("train"):
-            zero_grads(trainee)
-            micro = sft_data.microbatches(batches.next(), cfg.data.micro_batch_size)
-            r = reduce_reports(forward_backward(trainee, micro, loss_fn))
-            _, grad_norm = optimizer_step(trainee)
+            r, grad_norm = train_step(trainee, sft_data.microbatches(batches.next(), cfg.data.micro_batch_size), loss_fn)
         step += 1
         dt = time.perf_counter() - t0
         metrics = {"train/loss": r["loss_sum"] / max(r["tokens"], 1),
@@ -108,7 +97,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
                    "train/grad_norm": grad_norm, "perf/step_time_s": dt,
                    "perf/tokens_per_s": cfg.data.global_batch_size * cfg.data.seq_length / dt}
         is_last = step == cfg.train.max_steps
-        if val is not None and (is_last or (cfg.train.eval_every and step % cfg.train.eval_every == 0)):
+        if val is not None and due(step, cfg.train.eval_every, is_last):
             with prof.range("eval"):
                 metrics.update(evaluate(trainee, cfg, val))
             if metrics["val/loss"] < best:
@@ -119,12 +108,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
         stop = cfg.algorithm.early_stop_patience and stale >= cfg.algorithm.early_stop_patience
         if stop:
             log.write(f"early stop at step {step}: val/loss has not improved for {stale} evaluations")
-        if cfg.checkpoint.save and (is_last or stop or (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0)):
-            checkpointing.save(trainee, run_dir, step, {"data": batches.state_dict()}, cfg.checkpoint.keep,
-                               model=cfg.model, assets=assets)
+        save_if_due(cfg, trainee, run_dir, step, is_last or stop, batches.state_dict(), assets)
         if stop:
             break
-    if cfg.checkpoint.export_hf:
-        log.write(f"wrote {export_hf(trainee.model, cfg.model, run_dir / 'hf', assets=assets, overwrite=True)}")
-    log.close()
-    return log.last if dist.get_rank() == 0 else metrics
+    return finish(cfg, trainee, run_dir, assets, log, metrics)

@@ -40,7 +40,53 @@ def write_splits(out_dir: str | Path, num_train: int, num_val: int, digits: int,
             train.append(row)
     paths = out_dir / "train.jsonl", out_dir / "val.jsonl"
     for path, rows in zip(paths, (train, val)):
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        tmp.replace(path)
+        write_jsonl(path, rows)
     return paths
+
+
+NEGATIVES = ("plus1", "minus1", "plus10", "minus10", "random", "policy")
+"""Kinds of wrong answer a preference pair's rejected response can be: off by +-1 or +-10, a random
+number, or ('policy') a wrong answer sampled from the starting policy itself."""
+
+
+def wrong_answer(rng: random.Random, total: int, kind: str, digits: int) -> str:
+    """A wrong sum of `kind` (a negative result, which the alphabet cannot write, flips sign)."""
+    match kind:
+        case "plus1" | "minus1" | "plus10" | "minus10":
+            step = int(kind.removeprefix("plus").removeprefix("minus"))
+            wrong = total - step if kind.startswith("minus") and total >= step else total + step
+        case "random":
+            wrong = total
+            while wrong == total:
+                wrong = rng.randrange(2 * 10**digits)
+        case _:
+            raise ValueError(f"unknown negative kind {kind!r}; known: {', '.join(NEGATIVES)}")
+    return str(wrong)
+
+
+def preference_rows(rows: list[dict], negatives: dict[str, float], digits: int, seed: int,
+                    policy_wrong=None) -> list[dict]:
+    """Preference pairs from problems: chosen the true sum, rejected a wrong answer of a kind drawn
+    with weights `negatives`. policy_wrong(prompts, answers) -> a wrong completion (or None) per
+    prompt answers the 'policy' kind (None falls back to plus1)."""
+    rng = random.Random(seed)
+    kinds, weights = zip(*sorted(negatives.items()))
+    drawn = rng.choices(kinds, weights, k=len(rows))
+    policy = [i for i, k in enumerate(drawn) if k == "policy"]
+    sampled = dict(zip(policy, policy_wrong([rows[i]["prompt"] for i in policy], [rows[i]["answer"] for i in policy]))) \
+        if policy else {}
+    out = []
+    for i, (row, kind) in enumerate(zip(rows, drawn)):
+        total = int(row["answer"])
+        if kind == "policy" and sampled[i] is None:
+            kind = "plus1"
+        rejected = sampled[i] if kind == "policy" else wrong_answer(rng, total, kind, digits)
+        out.append({"prompt": row["prompt"], "chosen": row["answer"], "rejected": rejected, "answer": row["answer"],
+                    "kind": kind})
+    return out
+
+
+def write_jsonl(path: Path, rows: list[dict]):
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(path)

@@ -2,20 +2,17 @@
 
 import torch
 
-from .sft import DataError
+from .sft import DataError, prompt_ids
 
 
 def encode_prompts(rows: list[dict], tokenizer, source: str) -> tuple[list[list[int]], list[dict]]:
     """Token ids ([bos] prompt) and metadata (every other field, e.g. 'answer') of each row."""
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    prompts, metadata = [], []
     for i, row in enumerate(rows, 1):
         if "prompt" not in row:
             raise DataError(f"{source}:{i}: an RL row needs a 'prompt' (and what its reward function reads, "
                             f"e.g. 'answer'); got keys {sorted(row)}.")
-        prompts.append(bos + tokenizer(str(row["prompt"]), add_special_tokens=False)["input_ids"])
-        metadata.append({k: v for k, v in row.items() if k != "prompt"})
-    return prompts, metadata
+    prompts = prompt_ids(tokenizer, [str(row["prompt"]) for row in rows])
+    return prompts, [{k: v for k, v in row.items() if k != "prompt"} for row in rows]
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]], seq_length: int, pad_id: int,

@@ -49,6 +49,13 @@ def split_row(row: dict, tokenizer, where: str) -> tuple[str, str]:
     raise DataError(f"{where}: a row needs 'prompt' and 'response', or 'messages'; got keys {sorted(row)}.")
 
 
+def prompt_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    """[bos] + the prompt's tokens (no second bos when a chat template already rendered one)."""
+    bos = tokenizer.bos_token_id
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [p if bos is None or p[:1] == [bos] else [bos] + p for p in ids]
+
+
 def encode(rows: list[dict], tokenizer, seq_length: int, source: str) -> dict[str, torch.Tensor]:
     """Tokenize rows into tokens/labels/loss_mask of shape (N, seq_length).
 
@@ -60,13 +67,11 @@ def encode(rows: list[dict], tokenizer, seq_length: int, source: str) -> dict[st
     labels = torch.full((n, seq_length), tokenizer.pad_token_id, dtype=torch.long)
     loss_mask = torch.zeros((n, seq_length), dtype=torch.float)
     prompt_lens = torch.zeros(n, dtype=torch.long)
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     pairs = [split_row(row, tokenizer, f"{source}:{i + 1}") for i, row in enumerate(rows)]
-    prompts = tokenizer([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
+    prompts = prompt_ids(tokenizer, [p for p, _ in pairs])
     responses = tokenizer([r for _, r in pairs], add_special_tokens=False)["input_ids"]
     for i, (p, r) in enumerate(zip(prompts, responses)):
         where = f"{source}:{i + 1}"
-        p = bos + p
         ids = p + r + [tokenizer.eos_token_id]
         if len(ids) > seq_length + 1:
             raise DataError(f"{where}: {len(ids)} tokens exceed data.seq_length={seq_length} + 1; "

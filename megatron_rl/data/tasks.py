@@ -31,4 +31,34 @@ def data_files(cfg: Config, run_dir: Path):
         train_path, val_path = data_dir / "train.jsonl", data_dir / "val.jsonl"
         tok_path = tok_path or data_dir / "tokenizer"
     dist.barrier()
-    return load_tokenizer(tok_path), train_path, val_path
+    tokenizer = load_tokenizer(tok_path, cfg.data.pad_token)
+    if cfg.data.task and cfg.algorithm.name in PREFERENCE_ALGORITHMS:
+        train_path, val_path = _preference_splits(cfg, tokenizer, train_path, val_path)
+    return tokenizer, train_path, val_path
+
+
+PREFERENCE_ALGORITHMS = ("dpo", "rm")
+
+
+def _preference_splits(cfg: Config, tokenizer, train_path: Path, val_path: Path) -> tuple[Path, Path]:
+    """The task's problems as preference pairs (pairs_train.jsonl, pairs_val.jsonl beside them):
+    chosen the true answer, rejected a wrong one of the data.negatives mix. Wrong answers of the
+    starting policy ('policy') are sampled collectively by every rank."""
+    from . import arithmetic
+    from .sft import read_jsonl
+
+    sampler = None
+    if "policy" in cfg.data.negatives:
+        from megatron_rl.rollout.policy_samples import wrong_answer_sampler
+
+        sampler = wrong_answer_sampler(cfg, tokenizer)
+    paths = train_path.with_name("pairs_train.jsonl"), val_path.with_name("pairs_val.jsonl")
+    splits = []
+    for offset, source in enumerate((train_path, val_path)):
+        splits.append(arithmetic.preference_rows(read_jsonl(source), cfg.data.negatives, cfg.data.digits,
+                                                 cfg.data.seed + 1 + offset, sampler))
+    if dist.get_rank() == 0:
+        for path, rows in zip(paths, splits):
+            arithmetic.write_jsonl(path, rows)
+    dist.barrier()
+    return paths

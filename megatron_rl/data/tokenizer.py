@@ -21,12 +21,20 @@ def build_char_tokenizer(alphabet: str, out_dir: str | Path):
     return hf
 
 
-def load_tokenizer(path: str | Path):
+def load_tokenizer(path: str | Path, pad_token: str = ""):
+    """An HF tokenizer; pad_token: '' keeps its own (eos when it has none), 'eos' pads with eos,
+    else the named token."""
     from transformers import AutoTokenizer
+
+    from megatron_rl.config import ConfigError
 
     if not Path(path).is_dir():
         raise FileNotFoundError(f"tokenizer directory {str(path)!r} does not exist; set data.tokenizer to an HF tokenizer directory.")
     tok = AutoTokenizer.from_pretrained(str(path))
-    if tok.pad_token_id is None:
+    if pad_token and pad_token != "eos" and pad_token not in tok.get_vocab():
+        raise ConfigError(f"data.pad_token={pad_token!r} is not a token of {str(path)!r}; use 'eos' or one of its tokens.")
+    if pad_token == "eos" or tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    elif pad_token:
+        tok.pad_token = pad_token
     return tok

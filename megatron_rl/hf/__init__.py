@@ -29,14 +29,53 @@ def model_config_from_hf(path: str | Path) -> ModelConfig:
     if not config.is_file():
         raise ConfigError(f"{str(path)!r} is not a Hugging Face model directory (no config.json).")
     hf = json.loads(config.read_text())
+    head = hf_head(hf, path)
+    if head == "score":  # the family reads the causal LM's config; the head is ours
+        hf = {**hf, "architectures": [a.replace(SEQ_CLS, CAUSAL_LM) for a in hf["architectures"]]}
     model = get_family(family_for_hf(hf)).from_hf(hf)
-    model.hf_path = str(path)
+    model.hf_path, model.head = str(path), head
     return model
+
+
+SEQ_CLS, CAUSAL_LM = "ForSequenceClassification", "ForCausalLM"
+
+
+def hf_head(hf: dict, path) -> str:
+    """'score' for a *ForSequenceClassification config with one label (a reward model), else 'lm'."""
+    if not any(a.endswith(SEQ_CLS) for a in hf.get("architectures") or []):
+        return "lm"
+    labels = hf.get("num_labels") or len(hf.get("id2label") or {0: ""})
+    if labels != 1:
+        raise ConfigError(f"{str(path)!r} is a sequence classifier with {labels} labels; a reward model has one "
+                          f"(num_labels=1).")
+    return "score"
+
+
+def as_reward_model_config(hf_config: dict, pad_token_id) -> dict:
+    """A causal LM's config.json -> its *ForSequenceClassification one (one label, a pad token)."""
+    import transformers
+
+    archs = [a.replace(CAUSAL_LM, SEQ_CLS) for a in hf_config.get("architectures", [])]
+    missing = [a for a in archs if not hasattr(transformers, a)]
+    if missing or not archs:
+        raise ConfigError(f"transformers has no {', '.join(missing) or 'sequence-classification'} class to export "
+                          f"this reward model to.")
+    if pad_token_id is None:
+        raise ConfigError("a reward model's export needs a pad token (transformers reads the score at the last "
+                          "non-pad token); give the tokenizer one.")
+    out = {**hf_config, "architectures": archs, "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0},
+           "pad_token_id": pad_token_id}
+    out.pop("num_labels", None)
+    return out
 
 
 def resolve_model(model: ModelConfig) -> ModelConfig:
     """The architecture from model.hf_path's config.json, keeping `model`'s training choices."""
+    from megatron_rl.training.heads import starts_fresh
+
     resolved = model_config_from_hf(model.hf_path)
+    if resolved.head == "score" and model.head == "lm":
+        starts_fresh(resolved.head, model.head, f"model.hf_path={model.hf_path!r}")  # refuses
     for name in ModelConfig.TRAINING_CHOICES:
         if name != "hf_path":
             setattr(resolved, name, getattr(model, name))
@@ -44,12 +83,25 @@ def resolve_model(model: ModelConfig) -> ModelConfig:
 
 
 def import_hf(model_chunks: list, model: ModelConfig, path: str | Path, allow_pickle: bool = False):
-    """Load an HF checkpoint into this rank's model chunks (any TP/PP/EP layout)."""
+    """Load an HF checkpoint into this rank's model chunks (any TP/PP/EP layout). A reward model
+    (model.head=score) loads a causal LM's weights but its lm_head, keeping its fresh score head."""
+    from dataclasses import replace
+
     from model_providers import get_family
+    from megatron_rl.training.heads import starts_fresh
 
     family = get_family(model.family)
-    load_hf_weights(model_chunks, model, family.weight_rules(model), HFCheckpoint(path, allow_pickle),
-                    getattr(family, "skipped", None))
+    checkpoint = HFCheckpoint(path, allow_pickle)
+    source_head = hf_head(checkpoint.config, path)
+    fresh = starts_fresh(source_head, model.head, f"{str(path)!r}")
+    skipped = getattr(family, "skipped", None)
+    if fresh:
+        def skipped(name, m, family_skipped=skipped):
+            if name == "lm_head.weight":
+                return "a reward model replaces the language-model head with a score head"
+            return family_skipped(name, m) if family_skipped else None
+    rules = family.weight_rules(replace(model, head=source_head))
+    load_hf_weights(model_chunks, model, rules, checkpoint, skipped, fresh={"score_head.weight"} if fresh else set())
 
 
 def write_assets(hf_path: str | Path, out: str | Path, tokenizer=None, allow_pickle: bool = False):
@@ -81,16 +133,21 @@ def export_hf(model_chunks: list, model: ModelConfig, out: str | Path, assets: s
     if out.exists() and not overwrite:
         raise ConfigError(f"{str(out)!r} already exists; choose another directory or pass --overwrite.")
     family = get_family(model.family)
+    tok = None
+    if assets and (assets / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(assets))
     if assets and (assets / "config.json").is_file():
         hf_config = json.loads((assets / "config.json").read_text())
     else:
         hf_config = family.to_hf(model)
-        if assets and (assets / "tokenizer_config.json").is_file():
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(str(assets))
+        if tok is not None:
             hf_config.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                              pad_token_id=tok.pad_token_id)
+    if model.head == "score":
+        hf_config = as_reward_model_config(hf_config, tok.pad_token_id if tok is not None else
+                                           hf_config.get("pad_token_id"))
     dtype = dtype or _config_dtype(hf_config) or next(model_chunks[0].parameters()).dtype
     saved = json.loads((assets / DTYPE_FILE).read_text()) if assets and (assets / DTYPE_FILE).is_file() else {}
 

@@ -127,14 +127,17 @@ def _each_tensor(model_chunks: list, desc: str):
     return tqdm(items, desc=desc, unit="tensor", disable=dist.get_rank() != 0, leave=False)
 
 
-def load_hf_weights(model_chunks: list, model: ModelConfig, rules: list[Rule], checkpoint, skipped=None):
+def load_hf_weights(model_chunks: list, model: ModelConfig, rules: list[Rule], checkpoint, skipped=None,
+                    fresh: set[str] = frozenset()):
     """Copy an HF checkpoint's tensors into this rank's part of the model. Every HF tensor must be
-    used by some rank, and every model tensor filled, else a ConfigError says which."""
+    used by some rank (or `skipped` must say why not), and every model tensor but those named in
+    `fresh` filled, else a ConfigError says which."""
     available = checkpoint.names()
     used, error = set(), None
     try:
         for chunk, local_name, dst in _each_tensor(model_chunks, "import"):
-            used.update(_load_one(chunk, local_name, dst, model, rules, checkpoint, available))
+            if local_name not in fresh:
+                used.update(_load_one(chunk, local_name, dst, model, rules, checkpoint, available))
     except ConfigError as e:
         error = str(e)  # reported once every rank is done, so no rank waits forever for another
     _check_all_used(available, used, error, model, skipped)

@@ -4,7 +4,8 @@ A reward function scores one sample: fn(prompt: str, completion: str, metadata: 
 dict of named components (float each; their sum, or the configured weighting, is the reward).
 Built in: 'exact_match' (the completion equals metadata['answer']) and 'math' (math-verify:
 boxed or plain answers, LaTeX and numeric equivalence). Anything else is a dotted path
-'package.module:function'.
+'package.module:function'. 'reward_model' scores with a trained reward model (reward_model.py),
+in the training processes rather than in workers.
 
 Each sample is scored in a worker process with a time limit: a function that raises or hangs on
 one sample gives that sample reward 0 and a counted warning; the run goes on.
@@ -21,13 +22,25 @@ from .builtin import exact_match, exact_match_parts, math_answer
 BUILTIN = {"exact_match": exact_match, "exact_match_parts": exact_match_parts, "math": math_answer}
 
 
+def build_scorer(cfg, spec: str, tokenizer):
+    """What scores samples for reward spec `spec`: a RewardRunner over a reward function, or, for
+    'reward_model', the frozen reward model of rewards.model (built collectively on every rank)."""
+    if spec == "reward_model":
+        from .reward_model import RewardModel
+
+        return RewardModel(cfg, cfg.rewards.model, tokenizer)
+    r = cfg.rewards
+    return RewardRunner(spec, r.timeout_s, r.workers, r.weights)
+
+
 def load_reward(spec: str):
     """The reward function named by a built-in name or 'package.module:function'."""
     if spec in BUILTIN:
         return BUILTIN[spec]
     module, _, name = spec.partition(":")
     if not name:
-        raise ConfigError(f"rewards.fn={spec!r} is neither a built-in ({', '.join(BUILTIN)}) nor 'module:function'.")
+        raise ConfigError(f"rewards.fn={spec!r} is neither a built-in ({', '.join(BUILTIN)}, reward_model) nor "
+                          f"'module:function'.")
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
@@ -76,7 +89,8 @@ class RewardRunner:
             self.pool = mp.get_context("fork").Pool(self.workers, initializer=_quiet_on_sigterm)
         return self.pool
 
-    def score(self, prompts: list[str], completions: list[str], metadata: list[dict]) -> Scores:
+    def score(self, prompts: list[str], completions: list[str], metadata: list[dict], ids=None) -> Scores:
+        """ids: (prompt ids, completion ids) of the samples, which text-based functions do not need."""
         samples = list(zip(prompts, completions, metadata))
         results, failures, errors = [], 0, []
         while len(results) < len(samples):

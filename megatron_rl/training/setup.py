@@ -142,8 +142,9 @@ def load_initial_state(trainee: Trainee, cfg: Config, run_dir):
     if cfg.checkpoint.load:
         path = checkpointing.resolve(cfg.checkpoint.load)
         checkpointing.check_model_matches(path, cfg.model)
-        checkpointing.load(trainee, path, weights_only=True)
+        checkpointing.load(trainee, path, weights_only=True, head=cfg.model.head)
     elif cfg.model.hf_path:
         import_hf(trainee.model, cfg.model, cfg.model.hf_path)
         trainee.optimizer.reload_model_params()  # bf16 models keep fp32 main copies
     return None, None
+

@@ -45,6 +45,17 @@ def cp_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def cp_sum_straight_through(x: torch.Tensor) -> torch.Tensor:
+    """x summed over the context-parallel group, with the gradient flowing into this rank's own x:
+    every rank of the group sees each sequence's whole value (a loss that is not linear in it, such
+    as DPO's sigmoid, needs that), and the backward reaches each rank's own tokens once."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_context_parallel_world_size() == 1:
+        return x
+    return x + (cp_sum(x) - x.detach())
+
+
 def first_cp_rank() -> bool:
     """Whether this rank counts per-sequence quantities for its context-parallel group."""
     from megatron.core import parallel_state as ps
@@ -76,6 +87,41 @@ def forward_backward(trainee, micro: list[dict], loss_fn, forward_only: bool = F
         micro_batch_size=micro[0]["tokens"].shape[0],
         forward_only=forward_only,
     )
+
+
+def forward_only(model_chunks: list, micro: list[dict], collect) -> None:
+    """Run microbatches forward through the schedule without gradients; on the last pipeline stage
+    collect(microbatch, output) sees each one's output (this context-parallel rank's positions)."""
+    from types import SimpleNamespace
+
+    def capture(mb, output):
+        collect(mb, output)
+        return output.sum() * 0, torch.tensor(1), {}
+
+    with torch.no_grad():
+        forward_backward(SimpleNamespace(model=model_chunks), micro, capture, forward_only=True)
+
+
+def share_with_pipeline(x: torch.Tensor) -> torch.Tensor:
+    """Values only the last pipeline stage computed (zeros elsewhere), on every stage."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        x = x.to(device())
+        dist.all_reduce(x, group=ps.get_pipeline_model_parallel_group())
+        x = x.cpu()
+    return x
+
+
+def global_mean(values: dict[str, float], count: float) -> dict[str, float]:
+    """Sums over data-parallel ranks divided by the global count."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    t = torch.tensor([*values.values(), count], dtype=torch.float64)
+    dist.all_reduce(t, group=ps.get_data_parallel_group())
+    return {k: v / max(t[-1].item(), 1) for k, v in zip(values, t[:-1].tolist())}
 
 
 def reduce_reports(reports: list[dict]) -> dict[str, float]:

@@ -1,0 +1,201 @@
+"""Direct preference optimization: DPO's sigmoid loss, IPO and hinge on pairs of responses, with an
+optional SFT term on the chosen ones (TRL's rpo_alpha).
+
+Per step: a global batch of pairs (this DP rank's share; a pair never splits), the reference's log-
+probs of each response (the frozen initial policy each step, or all of them once before training:
+algorithm.precompute_reference), then forward/backward through megatron's schedule and an optimizer
+step. A response's log-ratio to the reference, delta = sum_t (log pi - log pi_ref) over its tokens,
+is whole on every context-parallel rank (a straight-through sum), so the loss sees whole pairs at
+any layout. megatron divides the summed pair losses by the global number of pairs; the SFT term is
+pre-scaled by (global pairs / global chosen tokens), making it the mean NLL per chosen token.
+Every train.eval_every steps (and at the start and end): the same metrics on the validation pairs
+and, where the rows carry an 'answer', val/accuracy by greedy decoding with the rollout engine.
+"""
+
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl import losses
+from megatron_rl.config import Config, ConfigError
+from megatron_rl.data import preference
+from megatron_rl.data.sft import Batches
+from megatron_rl.training.logprobs import mask_padded_vocab, token_logprobs
+from megatron_rl.training.loop import due, finish, save_if_due, start_log, train_step
+from megatron_rl.training.reference import build_reference, cache_key, cached, weight_bytes
+from megatron_rl.training.setup import build_trainee, load_initial_state, write_run_assets
+from megatron_rl.training.step import (cp_sum, cp_sum_straight_through, first_cp_rank, forward_backward, forward_only,
+                                       reduce_reports, share_with_pipeline)
+
+
+def dpo_loss(cfg: Config, sft_scale: float, batch: dict, logits: torch.Tensor):
+    """(loss numerator, pairs, report) for a microbatch of rows [c0, r0, c1, r1, ...]."""
+    a = cfg.algorithm
+    mask = batch["loss_mask"]  # (2P, S) this context-parallel rank's positions
+    logp = token_logprobs(mask_padded_vocab(logits, cfg.model.vocab_size), batch["labels"])
+    logps = cp_sum_straight_through(losses.masked_sum_rows(logp, mask))  # (2P,) whole responses
+    delta = logps - batch["ref_logps"]
+    if average_logprobs(a):
+        delta = delta / cp_sum(mask.sum(dim=1)).clamp(min=1)
+    chosen, rejected = delta[0::2], delta[1::2]
+    pair_loss = losses.preference_loss(chosen, rejected, a.beta, a.preference_loss, a.label_smoothing)
+    nll = -losses.masked_sum(logp[0::2], mask[0::2])  # this rank's chosen tokens (sums over CP like over DP)
+    numerator = pair_loss.sum() + (a.sft_loss_weight * sft_scale * nll if a.sft_loss_weight else 0.0)
+    once = float(first_cp_rank())  # per-pair numbers count once per context-parallel group
+    d = delta.detach()
+    report = {"pairs": len(pair_loss) * once, "pref_sum": pair_loss.detach().sum() * once,
+              "correct": (d[0::2] > d[1::2]).sum() * once, "reward_chosen": a.beta * d[0::2].sum() * once,
+              "reward_rejected": a.beta * d[1::2].sum() * once, "logps_chosen": logps.detach()[0::2].sum() * once,
+              "logps_rejected": logps.detach()[1::2].sum() * once, "nll_sum": nll.detach(),
+              "chosen_tokens": mask[0::2].sum()}
+    return numerator, torch.tensor(int(len(pair_loss) * once)), report
+
+
+def average_logprobs(a) -> bool:
+    """algorithm.average_logprobs, unset meaning true for IPO (defined on per-token means) only."""
+    return a.preference_loss == "ipo" if a.average_logprobs is None else a.average_logprobs
+
+
+def metrics_of(r: dict, prefix: str, sft_loss_weight: float) -> dict:
+    pairs = max(r["pairs"], 1)
+    pref, sft = r["pref_sum"] / pairs, r["nll_sum"] / max(r["chosen_tokens"], 1)
+    out = {"loss": pref + sft_loss_weight * sft, "preference_loss": pref, "sft_loss": sft,
+           "preference_accuracy": r["correct"] / pairs, "reward_chosen": r["reward_chosen"] / pairs,
+           "reward_rejected": r["reward_rejected"] / pairs,
+           "margin": (r["reward_chosen"] - r["reward_rejected"]) / pairs,
+           "logps_chosen": r["logps_chosen"] / pairs, "logps_rejected": r["logps_rejected"] / pairs}
+    return {f"{prefix}/{k}": v for k, v in out.items()}
+
+
+def reference_logps(model_chunks: list, batch: dict, pairs_per_microbatch: int, vocab_size: int) -> torch.Tensor:
+    """The summed response log-probs (N, 2) of this rank's pairs under `model_chunks`, on every rank."""
+    out = torch.zeros(len(batch["tokens"]), 2)
+
+    def collect(mb, logits):
+        lp = token_logprobs(mask_padded_vocab(logits, vocab_size), mb["labels"])
+        out[mb["index"]] = losses.masked_sum_rows(lp, mb["loss_mask"]).float().view(-1, 2).cpu()
+
+    keys = ("tokens", "labels", "loss_mask")
+    micro = preference.pair_microbatches({**{k: batch[k] for k in keys}, "index": torch.arange(len(out))},
+                                         pairs_per_microbatch)
+    forward_only(model_chunks, micro, collect)
+    return share_with_pipeline(cp_sum(out))
+
+
+def precompute(cfg: Config, reference: list, data: dict, path: Path, key: str) -> tuple[torch.Tensor, bool]:
+    """Reference log-probs (N, 2) of every pair of a split, each DP rank computing a contiguous
+    share, cached under `key`."""
+    from megatron.core import parallel_state as ps
+
+    def compute():
+        rank, size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        n = len(data["tokens"])
+        share = slice(rank * n // size, (rank + 1) * n // size)
+        out = torch.zeros(n, 2, dtype=torch.float64)
+        out[share] = reference_logps(reference, {k: v[share] for k, v in data.items()},
+                                     cfg.data.micro_batch_size, cfg.model.vocab_size).double()
+        dist.all_reduce(out, group=ps.get_data_parallel_group())
+        return out.float()
+
+    return cached(path, key, compute)
+
+
+def sft_scale(batch: dict) -> float:
+    """Global pairs / global chosen tokens of this step (over the data-parallel ranks)."""
+    from megatron.core import parallel_state as ps
+
+    counts = torch.tensor([len(batch["tokens"]), batch["loss_mask"][:, 0].sum().item()], dtype=torch.float64)
+    dist.all_reduce(counts, group=ps.get_data_parallel_group())
+    return (counts[0] / counts[1].clamp(min=1)).item()
+
+
+def evaluate(trainee, cfg: Config, val: dict, reference) -> dict:
+    from megatron.core import parallel_state as ps
+
+    rank, size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    mine = {k: v[rank::size] for k, v in val.items()}
+    if "ref_logps" not in mine:
+        mine["ref_logps"] = reference_logps(reference, mine, cfg.data.micro_batch_size, cfg.model.vocab_size)
+    trainee.eval()
+    with torch.no_grad():
+        reports = forward_backward(trainee, preference.pair_microbatches(mine, cfg.data.micro_batch_size),
+                                   partial(dpo_loss, cfg, sft_scale(mine)), forward_only=True)
+    trainee.train()
+    return metrics_of(reduce_reports(reports), "val", cfg.algorithm.sft_loss_weight)
+
+
+def run(cfg: Config, run_dir: Path) -> dict:
+    from megatron.core import parallel_state as ps
+
+    a = cfg.algorithm
+    if not (cfg.checkpoint.load or cfg.model.hf_path):
+        raise ConfigError("DPO starts from a policy, which is also its reference: set checkpoint.load or model.hf_path.")
+    data = preference.prepare(cfg, run_dir)
+    tokenizer, train, val = data.tokenizer, data.train, data.val
+    trainee = build_trainee(cfg)
+    assets = write_run_assets(cfg, run_dir, tokenizer)
+    latest, state = load_initial_state(trainee, cfg, run_dir)
+    step = state["step"] if state else 0
+    log, prof = start_log(cfg, run_dir, step, latest)
+    log.write(data.note)
+
+    reference = build_reference(cfg, trainee, resumed=latest is not None)
+    if a.precompute_reference:
+        t0 = time.perf_counter()
+        for name, split in (("train", train), ("val", val)):
+            if split is not None:
+                key = cache_key(cfg, data.paths[name], tokenizer)
+                split["ref_logps"], hit = precompute(cfg, reference, split, run_dir / "reference" / f"{name}.pt", key)
+        log.write(f"reference log-probs {'read from the cache' if hit else 'computed once'} in "
+                  f"{time.perf_counter() - t0:.1f} s; the reference model ({weight_bytes(reference) / 2**20:.1f} MB of "
+                  f"weights on each rank) is freed")
+        reference = None
+    engine = scorer = None
+    if data.val_prompts:  # greedy val/accuracy, as SFT and GRPO report it
+        from megatron_rl.rewards import build_scorer
+        from megatron_rl.rollout.engine import RolloutEngine
+        from megatron_rl.training.setup import compute_dtype
+
+        engine = RolloutEngine(trainee.model, cfg.model, tokenizer, cfg.rollout, compute_dtype(cfg))
+        scorer = build_scorer(cfg, cfg.rewards.val_fn or "exact_match", tokenizer)
+
+    def validation() -> dict:
+        from megatron_rl.rollout.evaluate import greedy_eval
+
+        out = evaluate(trainee, cfg, val, reference) if val is not None else {}
+        return {**out, **(greedy_eval(engine, scorer, tokenizer, *data.val_prompts) if engine else {})}
+
+    batches = Batches(train, cfg.data.global_batch_size, cfg.data.seed, ps.get_data_parallel_rank(),
+                      ps.get_data_parallel_world_size())
+    if state:
+        batches.load_state_dict(state["extra"]["data"])
+    if step == 0:  # the starting point (the policy is its own reference: preference_loss = ln 2)
+        log.log(0, {**validation(), **data.truncated()})
+    metrics = {}
+    while step < cfg.train.max_steps:
+        prof.step(step)
+        t0 = time.perf_counter()
+        with prof.range("train"):
+            batch = batches.next()
+            if "ref_logps" not in batch:
+                batch["ref_logps"] = reference_logps(reference, batch, cfg.data.micro_batch_size, cfg.model.vocab_size)
+            micro = preference.pair_microbatches(batch, cfg.data.micro_batch_size)
+            r, grad_norm = train_step(trainee, micro, partial(dpo_loss, cfg, sft_scale(batch)))
+        step += 1
+        dt = time.perf_counter() - t0
+        metrics = {**metrics_of(r, "train", a.sft_loss_weight), "train/grad_norm": grad_norm,
+                   "train/lr": trainee.scheduler.get_lr(trainee.optimizer.param_groups[0]), "perf/step_time_s": dt,
+                   "perf/tokens_per_s": 2 * cfg.data.global_batch_size * cfg.data.seq_length / dt}
+        is_last = step == cfg.train.max_steps
+        if due(step, cfg.train.eval_every, is_last):
+            with prof.range("eval"):
+                metrics.update(validation())
+        log.log(step, metrics)
+        save_if_due(cfg, trainee, run_dir, step, is_last, batches.state_dict(), assets)
+    if scorer is not None:
+        scorer.close()
+    return finish(cfg, trainee, run_dir, assets, log, metrics,
+                  plot=["train/preference_loss", "val/preference_accuracy", "val/accuracy"])

@@ -1,0 +1,87 @@
+"""A trained reward model as GRPO's reward (rewards.fn=reward_model, rewards.model=PATH).
+
+The model (our checkpoint of an algorithm.name=rm run, or a Hugging Face *ForSequenceClassification
+directory) is built frozen in the same SPMD program, in the policy's parallel layout, and scores
+each batch of completions collectively: every rank of a model-parallel group calls `score` with the
+same samples (they hold the same rollouts). A sequence is scored as the reward model was trained
+on it, [bos] prompt completion [eos] in its own tokenizer: the policy's token ids when the two
+tokenizers are the same, else the text re-tokenized.
+"""
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from megatron_rl.config import Config, ConfigError
+
+from . import Scores
+
+
+def same_tokenizer(a, b) -> bool:
+    """Whether two tokenizers turn text into the same ids and share their special tokens and chat template."""
+    return (a.get_vocab() == b.get_vocab() and len(a) == len(b) and a.all_special_ids == b.all_special_ids
+            and getattr(a, "chat_template", None) == getattr(b, "chat_template", None))
+
+
+def split_multiple(cfg: Config) -> int:
+    """Sequence lengths must be a multiple of this: 2 chunks per context-parallel rank, times tp
+    under sequence parallelism."""
+    p = cfg.parallel
+    return (2 * p.cp if p.cp > 1 else 1) * (p.tp if p.sp else 1)
+
+
+class RewardModel:
+    def __init__(self, cfg: Config, path: str, policy_tokenizer):
+        import torch.distributed as dist
+
+        from megatron_rl import checkpointing
+        from megatron_rl.data.tokenizer import load_tokenizer
+        from megatron_rl.hf import import_hf, model_config_from_hf
+        from megatron_rl.training.setup import build_model
+
+        path = Path(path)
+        is_hf = not checkpointing.is_ours(path)
+        if is_hf:
+            model, tokenizer_dir = model_config_from_hf(path), path
+        else:
+            path = checkpointing.resolve(path)
+            model, tokenizer_dir = checkpointing.read_model_config(path), path / checkpointing.ASSETS
+        if model.head != "score":
+            raise ConfigError(f"rewards.model={str(path)!r} is a language model, not a reward model; train one with "
+                              f"algorithm.name=rm or give a Hugging Face *ForSequenceClassification directory.")
+        rm_cfg = dataclasses.replace(cfg, model=model)
+        rm_cfg.parallel.validate(dist.get_world_size(), model)
+        self.chunks, _ = build_model(rm_cfg, wrap_ddp=False)
+        if is_hf:
+            import_hf(self.chunks, model, path)
+        else:
+            checkpointing.load_weights(self.chunks, path, head="score")
+        for chunk in self.chunks:
+            chunk.eval()
+        self.tokenizer = load_tokenizer(tokenizer_dir)
+        self.same = same_tokenizer(self.tokenizer, policy_tokenizer)
+        self.micro_batch_size, self.multiple = cfg.data.micro_batch_size, split_multiple(cfg)
+
+    def sequences(self, prompts: list[str], completions: list[str], ids) -> list[list[int]]:
+        from megatron_rl.data.sft import prompt_ids
+
+        eos = self.tokenizer.eos_token_id
+        if self.same and ids is not None:
+            return [list(p) + (c[:-1] if c[-1:] == [eos] else list(c)) + [eos] for p, c in zip(*ids)]
+        responses = self.tokenizer(completions, add_special_tokens=False)["input_ids"]
+        return [p + r + [eos] for p, r in zip(prompt_ids(self.tokenizer, prompts), responses)]
+
+    def score(self, prompts: list[str], completions: list[str], metadata: list[dict], ids=None) -> Scores:
+        from megatron_rl.training.heads import score_sequences
+
+        seqs = self.sequences(prompts, completions, ids)
+        length = -(-max(map(len, seqs)) // self.multiple) * self.multiple
+        pad = self.tokenizer.pad_token_id
+        tokens = torch.full((len(seqs), length), pad, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            tokens[i, : len(s)] = torch.tensor(s)
+        return Scores(score_sequences(self.chunks, tokens, pad, self.micro_batch_size).tolist())
+
+    def close(self):
+        pass

@@ -1,0 +1,57 @@
+"""What every algorithm's loop does the same way: its log, the training step, when to evaluate and
+save, and how a run ends."""
+
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_rl.config import Config
+from megatron_rl.training.step import forward_backward, optimizer_step, reduce_reports, zero_grads
+
+
+def due(step: int, every: int, last: bool) -> bool:
+    """Whether something done every `every` steps (0: only at the end) happens at `step`."""
+    return last or bool(every and step % every == 0)
+
+
+def start_log(cfg: Config, run_dir: Path, step: int, resumed_from=None):
+    """The run's logger (metrics.jsonl, TensorBoard, progress bar on rank 0) and a Profiler."""
+    from megatron_rl.logging import RunLogger
+    from megatron_rl.profiling import Profiler
+
+    log = RunLogger(run_dir, cfg.train.max_steps, step, enabled=dist.get_rank() == 0,
+                    tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
+                    desc=cfg.recipe or cfg.algorithm.name)
+    if resumed_from is not None:
+        log.write(f"resumed from {resumed_from} at step {step}")
+    return log, Profiler(cfg.profiling.nvtx, cfg.profiling.nsys_start, cfg.profiling.nsys_end)
+
+
+def train_step(trainee, micro: list[dict], loss_fn) -> tuple[dict, float]:
+    """One optimizer step on the gradients of `micro`: (summed report, grad norm)."""
+    zero_grads(trainee)
+    report = reduce_reports(forward_backward(trainee, micro, loss_fn))
+    _, grad_norm = optimizer_step(trainee)
+    return report, grad_norm
+
+
+def save_if_due(cfg: Config, trainee, run_dir: Path, step: int, last: bool, data_state: dict, assets):
+    """Save a checkpoint every checkpoint.save_every steps and at the end (unless checkpoint.save=false)."""
+    from megatron_rl import checkpointing
+
+    if cfg.checkpoint.save and due(step, cfg.checkpoint.save_every, last):
+        checkpointing.save(trainee, run_dir, step, {"data": data_state}, cfg.checkpoint.keep, model=cfg.model,
+                           assets=assets)
+
+
+def finish(cfg: Config, trainee, run_dir: Path, assets, log, metrics: dict, plot: list[str] = ()) -> dict:
+    """Export to HF if asked, plot `plot` metrics, close the log; the final metrics (rank 0's)."""
+    from megatron_rl.hf import export_hf
+    from megatron_rl.logging import plot_metrics
+
+    if cfg.checkpoint.export_hf:
+        log.write(f"wrote {export_hf(trainee.model, cfg.model, run_dir / 'hf', assets=assets, overwrite=True)}")
+    if plot and dist.get_rank() == 0:
+        log.write(f"plot: {plot_metrics(run_dir, list(plot))}")
+    log.close()
+    return log.last if dist.get_rank() == 0 else metrics

@@ -1,0 +1,38 @@
+"""Under torchrun (or alone): several train.py runs one after another in one process group, so
+that a layout test pays for process start-up and imports once. Each run is a recipe with its
+overrides, set up and dispatched as train.py does it (logging.run_dir names its output).
+
+    torchrun --nproc_per_node 2 tests/scripts/run_recipes.py '[["--recipe", "tiny_dpo", "a.b=c", ...], ...]'
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def main():
+    from megatron_rl import platform
+    from megatron_rl.algorithms import get_algorithm
+    from megatron_rl.config import apply_overrides
+    from recipes import get_recipe
+    from train import parse_args
+
+    launch = platform.init_distributed()
+    for argv in json.loads(sys.argv[1]):
+        args = parse_args(argv)
+        cfg = apply_overrides(get_recipe(args.recipe), args.overrides).validate(world_size=launch.world_size)
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        p = cfg.parallel
+        platform.init_model_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp if p.vpp > 1 else None, cp=p.cp, ep=p.ep,
+                                     etp=p.etp or None, seed=cfg.train.seed)
+        get_algorithm(cfg.algorithm.name).run(cfg, Path(cfg.logging.run_dir))
+    platform.shutdown()
+
+
+if __name__ == "__main__":  # dist_checkpointing's writer processes re-import this module
+    main()
