@@ -591,6 +591,9 @@ class Config:
 
     def _validate_dpo(self):
         a = self.algorithm
+        if not (self.checkpoint.load or self.model.hf_path):
+            raise ConfigError("DPO starts from a policy, which is also its reference: set checkpoint.load or "
+                              "model.hf_path.")
         if a.beta <= 0:
             raise ConfigError(f"algorithm.beta={a.beta} must be positive (DPO's KL strength; 0.1 is usual).")
         if a.preference_loss == "ipo" and a.average_logprobs is False:

@@ -164,8 +164,11 @@ def tiny_rm() -> Config:
     a scalar head, trained on pairs whose rejected answers mix +-1, +-10, random numbers and
     tiny_sft's own wrong samples, so that no shortcut (the last digit alone, say) ranks them.
 
-    Validation reports pairwise accuracy per kind of wrong answer; val/accuracy_policy is the
-    reward model's agreement with exact match on the policy's own samples.
+    The tokenizer pads with eos (data.pad_token), so the score is read at the answer's last digit (as
+    transformers reads it: the last token that is not padding), where two layers can check it; read at
+    the eos token, the tiny model stays near chance. Validation reports pairwise accuracy per kind of
+    wrong answer; val/accuracy_policy is the reward model's agreement with exact match on the policy's
+    own samples.
     """
     return Config(
         model=ModelConfig(**{**vars(tiny_model()), "head": "score"}),

@@ -18,10 +18,12 @@ QUICK = ["data.num_train=512", "data.num_val=64", "train.eval_every=0", "schedul
          "logging.progress=false", "logging.tensorboard=false", "checkpoint.save=false", "train.max_steps=3",
          "data.negatives=plus1:0.5,plus10:0.25,random:0.25"]
 # DPO with per-token means and an SFT term (its normalization by the global chosen-token count is
-# then part of every comparison); the reward model with centering.
+# then part of every comparison); the reward model with centering, and the policy's tokenizer as it is
+# (its own pad token), so that GRPO scores with the policy's ids (the learning test's tiny_rm pads with
+# eos: its tokenizer differs, and GRPO re-tokenizes the text).
 DPO = ["--recipe", "tiny_dpo", *QUICK, "algorithm.average_logprobs=true", "algorithm.sft_loss_weight=0.5",
        "optimizer.lr=1e-3"]
-RM = ["--recipe", "tiny_rm", *QUICK, "algorithm.center_rewards_coefficient=0.01"]
+RM = ["--recipe", "tiny_rm", *QUICK, "algorithm.center_rewards_coefficient=0.01", "data.pad_token="]
 GRPO_RM = ["--recipe", "tiny_grpo_rm", *QUICK, "train.max_steps=1", "algorithm.prompts_per_step=8", "rollout.n=4",
            "data.micro_batch_size=16"]
 LN2 = math.log(2)
@@ -69,8 +71,8 @@ def test_precomputed_reference_equals_the_live_one_and_is_cached(single):
     root, _, out = single
     for key in ("train/loss", "train/preference_loss", "train/margin"):
         assert column(root / "dpo_pre", key)[-3:] == pytest.approx(column(root / "dpo", key), abs=1e-6)
-    assert "reference log-probs computed once" in out and "reference log-probs read from the cache" in out
-    assert "MB of weights on each rank) is freed" in out
+    assert "MB of weights on each rank) is not kept" in out  # computed once, then the model is dropped
+    assert "read from the cache in" in out and "the reference model (not built)" in out  # the second run
 
 
 def test_reward_model_step_metrics_and_microbatching(single):
@@ -194,6 +196,7 @@ def test_bad_preference_rows(tok, row, message):
     (["model.head=score"], "set model.head=lm"),
     (["rewards.fn=reward_model"], "rewards.fn=reward_model and rewards.model=PATH go together"),
     (["data.negatives=plus2:1"], "must give non-negative weights (not all 0) to kinds among"),
+    (["checkpoint.load="], "DPO starts from a policy, which is also its reference: set checkpoint.load"),
 ])
 def test_contradictory_options_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -128,3 +128,22 @@ def test_causal_lm_starts_a_reward_model_and_not_the_reverse(one_process, tmp_pa
         cfg = Config()
         cfg.model.hf_path = str(rm)
         resolve_model(cfg.model)
+
+
+def test_reward_model_scores_the_policy_ids_or_re_tokenizes(tmp_path):
+    """GRPO's reward model scores [bos] prompt completion [eos] as it was trained: the policy's ids
+    when the tokenizers are the same (a generated eos is not doubled), else the text re-tokenized."""
+    from megatron_rl.rewards.reward_model import RewardModel, same_tokenizer
+    from tests.hf_models import make_tokenizer
+
+    tok = make_tokenizer(tmp_path / "a")
+    other = make_tokenizer(tmp_path / "b")
+    other.pad_token = other.eos_token
+    assert same_tokenizer(tok, make_tokenizer(tmp_path / "c")) and not same_tokenizer(tok, other)
+    rm = RewardModel.__new__(RewardModel)
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    prompt, done, cut = [bos, *tok("1+2=")["input_ids"]], [*tok("3")["input_ids"], eos], tok("33")["input_ids"]
+    rm.tokenizer, rm.same = tok, True
+    assert rm.sequences(["1+2="] * 2, ["3", "33"], ([prompt, prompt], [done, cut])) == [prompt + done, prompt + cut + [eos]]
+    rm.tokenizer, rm.same = other, False
+    assert rm.sequences(["1+2="], ["3"], ([prompt], [done])) == [prompt + done]  # same text, re-tokenized

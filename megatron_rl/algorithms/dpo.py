@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl import losses
-from megatron_rl.config import Config, ConfigError
+from megatron_rl.config import Config
 from megatron_rl.data import preference
 from megatron_rl.data.sft import Batches
 from megatron_rl.training.logprobs import mask_padded_vocab, token_logprobs
@@ -85,9 +85,9 @@ def reference_logps(model_chunks: list, batch: dict, pairs_per_microbatch: int, 
     return share_with_pipeline(cp_sum(out))
 
 
-def precompute(cfg: Config, reference: list, data: dict, path: Path, key: str) -> tuple[torch.Tensor, bool]:
+def precompute(cfg: Config, reference, data: dict, path: Path, key: str) -> tuple[torch.Tensor, bool]:
     """Reference log-probs (N, 2) of every pair of a split, each DP rank computing a contiguous
-    share, cached under `key`."""
+    share, cached under `key`. reference() gives the reference model (built only when needed)."""
     from megatron.core import parallel_state as ps
 
     def compute():
@@ -95,7 +95,7 @@ def precompute(cfg: Config, reference: list, data: dict, path: Path, key: str) -
         n = len(data["tokens"])
         share = slice(rank * n // size, (rank + 1) * n // size)
         out = torch.zeros(n, 2, dtype=torch.float64)
-        out[share] = reference_logps(reference, {k: v[share] for k, v in data.items()},
+        out[share] = reference_logps(reference(), {k: v[share] for k, v in data.items()},
                                      cfg.data.micro_batch_size, cfg.model.vocab_size).double()
         dist.all_reduce(out, group=ps.get_data_parallel_group())
         return out.float()
@@ -118,7 +118,7 @@ def evaluate(trainee, cfg: Config, val: dict, reference) -> dict:
     rank, size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     mine = {k: v[rank::size] for k, v in val.items()}
     if "ref_logps" not in mine:
-        mine["ref_logps"] = reference_logps(reference, mine, cfg.data.micro_batch_size, cfg.model.vocab_size)
+        mine["ref_logps"] = reference_logps(reference(), mine, cfg.data.micro_batch_size, cfg.model.vocab_size)
     trainee.eval()
     with torch.no_grad():
         reports = forward_backward(trainee, preference.pair_microbatches(mine, cfg.data.micro_batch_size),
@@ -131,8 +131,6 @@ def run(cfg: Config, run_dir: Path) -> dict:
     from megatron.core import parallel_state as ps
 
     a = cfg.algorithm
-    if not (cfg.checkpoint.load or cfg.model.hf_path):
-        raise ConfigError("DPO starts from a policy, which is also its reference: set checkpoint.load or model.hf_path.")
     data = preference.prepare(cfg, run_dir)
     tokenizer, train, val = data.tokenizer, data.train, data.val
     trainee = build_trainee(cfg)
@@ -142,17 +140,23 @@ def run(cfg: Config, run_dir: Path) -> dict:
     log, prof = start_log(cfg, run_dir, step, latest)
     log.write(data.note)
 
-    reference = build_reference(cfg, trainee, resumed=latest is not None)
-    if a.precompute_reference:
+    built = []  # the frozen initial policy, built on first use
+
+    def reference():
+        if not built:
+            built.append(build_reference(cfg, trainee, resumed=latest is not None))
+        return built[0]
+
+    if a.precompute_reference:  # every pair's reference log-probs once; then no reference model is kept
         t0 = time.perf_counter()
         for name, split in (("train", train), ("val", val)):
             if split is not None:
                 key = cache_key(cfg, data.paths[name], tokenizer)
-                split["ref_logps"], hit = precompute(cfg, reference, split, run_dir / "reference" / f"{name}.pt", key)
-        log.write(f"reference log-probs {'read from the cache' if hit else 'computed once'} in "
-                  f"{time.perf_counter() - t0:.1f} s; the reference model ({weight_bytes(reference) / 2**20:.1f} MB of "
-                  f"weights on each rank) is freed")
-        reference = None
+                split["ref_logps"], _ = precompute(cfg, reference, split, run_dir / "reference" / f"{name}.pt", key)
+        saved = f"{weight_bytes(built[0]) / 2**20:.1f} MB of weights on each rank" if built else "not built"
+        log.write(f"reference log-probs {'computed once' if built else 'read from the cache'} in "
+                  f"{time.perf_counter() - t0:.1f} s; the reference model ({saved}) is not kept")
+        built.clear()
     engine = scorer = None
     if data.val_prompts:  # greedy val/accuracy, as SFT and GRPO report it
         from megatron_rl.rewards import build_scorer
@@ -181,7 +185,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
         with prof.range("train"):
             batch = batches.next()
             if "ref_logps" not in batch:
-                batch["ref_logps"] = reference_logps(reference, batch, cfg.data.micro_batch_size, cfg.model.vocab_size)
+                batch["ref_logps"] = reference_logps(reference(), batch, cfg.data.micro_batch_size, cfg.model.vocab_size)
             micro = preference.pair_microbatches(batch, cfg.data.micro_batch_size)
             r, grad_norm = train_step(trainee, micro, partial(dpo_loss, cfg, sft_scale(batch)))
         step += 1

@@ -41,6 +41,9 @@ class RewardModel:
         from megatron_rl.training.setup import build_model
 
         path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"rewards.model={str(path)!r} does not exist; give a reward model's checkpoint or run "
+                              f"directory, or a Hugging Face *ForSequenceClassification directory.")
         is_hf = not checkpointing.is_ours(path)
         if is_hf:
             model, tokenizer_dir = model_config_from_hf(path), path
