@@ -16,11 +16,13 @@ GRPO_STEPS, GRPO_GAIN = 20, 0.08
 
 
 def test_tiny_dpo_learns(sft_run, tmp_path):
-    """20 of tiny_dpo's 100 steps: held-out greedy accuracy +26.5, +23.8, +27.5 points (seeds 0-2)."""
+    """20 of tiny_dpo's 100 steps: held-out greedy accuracy +26.5, +23.8, +27.5 points (seeds 0-2 from
+    tiny_sft's 63%), +52.2 and +22.1 from tiny_sft's seeds 1 and 2 (24% and 22%: where tiny_sft lands
+    depends on the seed and on the machine's GEMM kernels)."""
     run_train(["--recipe", "tiny_dpo", "train.max_steps=20", "train.eval_every=20", "checkpoint.save=false", *QUIET,
                f"checkpoint.load={sft_run}", f"logging.run_dir={tmp_path}"])
     accuracy = column(tmp_path, "val/accuracy")
-    assert accuracy[-1] >= accuracy[0] + 0.20, accuracy
+    assert accuracy[-1] >= accuracy[0] + 0.15, accuracy
     first = metrics(tmp_path)[1]
     assert first["train/preference_loss"] == pytest.approx(0.6931472, abs=1e-6)
     assert metrics(tmp_path)[-1]["val/preference_accuracy"] > 0.75
