@@ -264,6 +264,10 @@ class DataConfig:
     seq_length: int = 32
     """Tokens per sample after padding; longer samples are refused with their row number."""
     micro_batch_size: int = 16
+    max_tokens_per_microbatch: int = 0
+    """Sequence packing (SFT, GRPO, DPO): each microbatch holds as many samples as fit this many
+    tokens, each padded only to a multiple of 16 (not to seq_length), in one row where no sample sees
+    another; 0 means micro_batch_size samples of seq_length tokens each."""
     global_batch_size: int = 64
     """Samples per optimizer step over all data-parallel ranks."""
     num_train: int = 20000
@@ -515,6 +519,7 @@ class Config:
             raise ConfigError(
                 f"data.seq_length={self.data.seq_length} must be divisible by {split}: 2 chunks per context-parallel "
                 f"rank times tp with sequence parallelism; change data.seq_length or parallel.cp/tp.")
+        self._validate_packing()
         if self.algorithm.name == "grpo":
             self._validate_grpo(self.parallel.data_parallel_size(world_size))
         if self.algorithm.name == "dpo":
@@ -564,6 +569,19 @@ class Config:
         if not 0 <= self.rewards.overlong_buffer < r.max_new_tokens:
             raise ConfigError(f"rewards.overlong_buffer={self.rewards.overlong_buffer} must be in [0, "
                               f"rollout.max_new_tokens={r.max_new_tokens}).")
+
+    def _validate_packing(self):
+        budget, p = self.data.max_tokens_per_microbatch, self.parallel
+        if not budget:
+            return
+        if self.algorithm.name == "rm":
+            raise ConfigError("data.max_tokens_per_microbatch packs SFT, GRPO and DPO microbatches; reward models are "
+                              "not packed yet: set it to 0 with algorithm.name=rm.")
+        longest = -(-self.data.seq_length // 16) * 16 * (2 if self.algorithm.name == "dpo" else 1)
+        if budget < longest or budget % (p.tp if p.sp else 1):
+            raise ConfigError(f"data.max_tokens_per_microbatch={budget} must hold the longest sample ({longest} tokens: "
+                              f"data.seq_length rounded up to 16{', twice for a DPO pair' if self.algorithm.name == 'dpo' else ''})"
+                              f"{f' and be a multiple of tp={p.tp} (sequence parallelism)' if p.sp else ''}; raise it.")
 
     def _validate_heads_and_rewards(self):
         a, m, r = self.algorithm, self.model, self.rewards

@@ -3,8 +3,8 @@
 megatron-core's local `DotProductAttention` needs equal q/k and v head sizes, so multi-latent
 attention (DeepSeek) cannot be built with it. This one takes separate sizes, grouped-query
 attention, causal masks aligned to the end of the keys (a KV cache holds more keys than there are
-new queries), sliding windows, megatron's explicit masks, and context parallelism (which megatron
-leaves to Transformer Engine's attention).
+new queries), sliding windows, megatron's explicit masks, packed sequences (THD) and context
+parallelism (both of which megatron leaves to Transformer Engine's attention).
 """
 
 import torch
@@ -38,6 +38,15 @@ def load_balanced_positions(seq_len: int, cp: int, rank: int, device=None) -> to
     return torch.cat([torch.arange(s, s + chunk, device=device) for s in starts])
 
 
+def load_balanced_packed_positions(cu_seqlens: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """Which positions of a packed row (samples starting at cu_seqlens, each a multiple of 2 x cp long)
+    context-parallel rank `rank` holds: in every sample, megatron's load-balanced chunks of it (as
+    Transformer Engine's THD layout and megatron's THD rotary embedding have them)."""
+    bounds = cu_seqlens.tolist()
+    return torch.cat([start + load_balanced_positions(end - start, cp, rank, cu_seqlens.device)
+                      for start, end in zip(bounds[:-1], bounds[1:])])
+
+
 class CoreAttention(MegatronModule):
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
@@ -57,8 +66,10 @@ class CoreAttention(MegatronModule):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **_unused):
         """query (sq, b, heads, dk), key (sk, b, groups, dk), value (sk, b, groups, dv) -> (sq, b, heads * dv)."""
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("packed sequences and attention bias need Transformer Engine's attention.")
+        if attention_bias is not None:
+            raise NotImplementedError("attention bias needs Transformer Engine's attention.")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         if self.cp > 1:
             return self._context_parallel(query, key, value, attention_mask)
         sq, b, heads, _ = query.shape
@@ -79,6 +90,47 @@ class CoreAttention(MegatronModule):
             q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale,
             dropout_p=self.dropout if self.training else 0.0, enable_gqa=groups != heads)
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # (sq, b, heads * dv)
+
+    def _packed(self, query, key, value, params):
+        """Causal attention within each sample of a packed row (THD: query (t, heads, dk), key and value
+        (t, groups, d), samples starting at cu_seqlens) -> (t, heads * dv). Samples of one length go
+        through one scaled_dot_product_attention call, each computed as the unpacked causal path
+        computes a sequence of that length."""
+        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        if self.cp > 1:
+            return self._packed_context_parallel(query, key, value, cu)
+        starts, lengths = cu[:-1].long(), cu.diff().long()
+        heads, groups = query.shape[1], key.shape[1]
+        out = query.new_empty(query.shape[0], heads, value.shape[-1])
+        for n in lengths.unique().tolist():
+            chosen = starts[lengths == n]
+            idx = (chosen[:, None] + torch.arange(n, device=query.device)).flatten()
+            q, k, v = (t[idx].view(len(chosen), n, *t.shape[1:]).transpose(1, 2) for t in (query, key, value))
+            mask = causal_mask(n, n, self.window, device=q.device) if self.window else None
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                                               dropout_p=self.dropout if self.training else 0.0,
+                                               enable_gqa=groups != heads)
+            out[idx] = o.transpose(1, 2).reshape(-1, heads, o.shape[-1])
+        return out.reshape(query.shape[0], -1)
+
+    def _packed_context_parallel(self, query, key, value, cu):
+        """A packed row split over the context-parallel group (load_balanced_packed_positions): this
+        rank's queries attend to the gathered keys of their own sample, causally."""
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        heads = query.shape[1]
+        key, value = (gather_from_sequence_parallel_region(t, group=self.cp_group) for t in (key, value))
+        rank = torch.distributed.get_rank(self.cp_group)
+        q_pos = load_balanced_packed_positions(cu, self.cp, rank)
+        k_pos = torch.cat([load_balanced_packed_positions(cu, self.cp, r) for r in range(self.cp)])
+        lengths = cu.diff().long()
+        sample = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths)
+        mask = position_mask(q_pos, k_pos, self.window) & (sample[q_pos][:, None] == sample[k_pos][None, :])
+        q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))  # (1, heads or groups, t, d)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.scale, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=key.shape[1] != heads)
+        return out[0].transpose(0, 1).reshape(query.shape[0], -1)
 
     def _context_parallel(self, query, key, value, attention_mask):
         """Causal attention of this rank's queries to the keys of the whole sequence: all-gather the

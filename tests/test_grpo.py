@@ -119,7 +119,7 @@ def test_engine_runs_on_the_training_parameters(one_process, tmp_path):
         rollout = engine.generate(prompts, n=3, seed=11)
         batch = rl_data.pack(rollout.prompts, rollout.completions, 12, tok.pad_token_id, rollout_logp=rollout.logprobs)
         batch["index"] = torch.arange(len(rollout.completions))
-        train_logp = logprobs_of(trainee.model, batch, 8, cfg.model.vocab_size)
+        train_logp = logprobs_of(trainee.model, batch, cfg)
         mask = batch["loss_mask"] > 0
         assert (train_logp - batch["rollout_logp"]).abs()[mask].max() <= 1e-5
         return rollout, batch
@@ -133,6 +133,46 @@ def test_engine_runs_on_the_training_parameters(one_process, tmp_path):
     again = engine.generate(prompts, n=3, seed=11)
     assert again.completions == after.completions  # seeded: reproducible
     assert after.logprobs != before.logprobs
+
+
+@pytest.mark.parametrize("variant", [{}, {"ratio_level": "sequence"}, {"mismatch_correction": "sequence_truncate"}],
+                         ids=["ppo", "gspo", "mismatch-correction"])
+def test_training_forward_supplies_the_old_logprobs(one_process, variant):
+    """One minibatch, one epoch: the step without the separate old-policy pass (the loss takes its own
+    forward's logprobs, detached) equals the step with it, bit for bit: loss, grad norm, weights, and
+    the logprobs the mismatch metrics read."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_rl.algorithms.grpo import logprobs_of, train_on, trains_the_old_policy
+    from megatron_rl.config import Config
+    from megatron_rl.training.setup import build_trainee
+
+    cfg = Config()
+    cfg.model.vocab_size = 20
+    cfg.data.micro_batch_size = 4
+    for k, v in variant.items():
+        setattr(cfg.algorithm, k, v)
+    assert trains_the_old_policy(cfg.algorithm)
+    g = torch.Generator().manual_seed(0)
+    n, s = 8, 12
+    batch = {"tokens": torch.randint(0, 20, (n, s), generator=g), "labels": torch.randint(0, 20, (n, s), generator=g),
+             "loss_mask": (torch.rand(n, s, generator=g) > 0.4).float(), "advantages": torch.randn(n, generator=g),
+             "rollout_logp": -3.0 + 0.01 * torch.randn(n, s, generator=g), "index": torch.arange(n)}
+    results = []
+    for separate_pass in (True, False):
+        torch.manual_seed(3)
+        model_parallel_cuda_manual_seed(3)
+        trainee = build_trainee(cfg)
+        mine = dict(batch)
+        if separate_pass:
+            mine["old_logp"] = logprobs_of(trainee.model, mine, cfg)
+        out = train_on(trainee, cfg, mine)
+        weights = torch.cat([p.detach().flatten().clone() for p in trainee.model[0].parameters()])
+        results.append((out, weights, mine["old_logp"]))
+    (with_pass, w1, old1), (without, w2, old2) = results
+    assert without["train/loss"] == with_pass["train/loss"] and without["train/grad_norm"] == with_pass["train/grad_norm"]
+    assert torch.equal(w1, w2) and torch.equal(old1 * batch["loss_mask"], old2 * batch["loss_mask"])
+    assert without["train/clip_frac"] == 0.0
 
 
 def _flaky_reward(prompt, completion, metadata):

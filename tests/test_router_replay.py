@@ -13,8 +13,9 @@ from tests.helpers import ROOT, column, free_port, run_train, threads
 @pytest.mark.parametrize("layout, nproc", [(["train.recompute=full"], 1), (["parallel.ep=2"], 2),
                                            (["parallel.pp=2"], 2), (["parallel.tp=2", "parallel.sp=true"], 2),
                                            (["parallel.cp=2"], 2),
-                                           (["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"], 2)],
-                         ids=["recompute", "ep2", "pp2", "tp2-sp", "cp2", "vpp"])
+                                           (["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"], 2),
+                                           (["parallel.ep=2", "data.max_tokens_per_microbatch=48"], 2)],
+                         ids=["recompute", "ep2", "pp2", "tp2-sp", "cp2", "vpp", "ep2-packed"])
 def test_router_replay(layout, nproc, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
            "tests/scripts/router_replay.py", str(tmp_path), *layout]

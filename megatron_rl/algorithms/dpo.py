@@ -28,7 +28,7 @@ from megatron_rl.training.loop import due, finish, save_if_due, start_log, train
 from megatron_rl.training.reference import build_reference, cache_key, cached, weight_bytes
 from megatron_rl.training.setup import build_trainee, load_initial_state, write_run_assets
 from megatron_rl.training.step import (cp_sum, cp_sum_straight_through, first_cp_rank, forward_backward, forward_only,
-                                       reduce_reports, share_with_pipeline)
+                                       make_microbatches, reduce_reports, share_with_pipeline)
 
 
 def dpo_loss(cfg: Config, sft_scale: float, batch: dict, logits: torch.Tensor):
@@ -70,17 +70,22 @@ def metrics_of(r: dict, prefix: str, sft_loss_weight: float) -> dict:
     return {f"{prefix}/{k}": v for k, v in out.items()}
 
 
-def reference_logps(model_chunks: list, batch: dict, pairs_per_microbatch: int, vocab_size: int) -> torch.Tensor:
+def dpo_microbatches(cfg: Config, batch: dict) -> list[dict]:
+    """This rank's pairs as microbatches of rows [c0, r0, c1, r1, ...], a pair never split (packed
+    under data.max_tokens_per_microbatch when set)."""
+    return make_microbatches(cfg, batch, cfg.data.micro_batch_size, flatten=preference.flatten_pairs)
+
+
+def reference_logps(model_chunks: list, batch: dict, cfg: Config) -> torch.Tensor:
     """The summed response log-probs (N, 2) of this rank's pairs under `model_chunks`, on every rank."""
     out = torch.zeros(len(batch["tokens"]), 2)
 
     def collect(mb, logits):
-        lp = token_logprobs(mask_padded_vocab(logits, vocab_size), mb["labels"])
-        out[mb["index"]] = losses.masked_sum_rows(lp, mb["loss_mask"]).float().view(-1, 2).cpu()
+        lp = token_logprobs(mask_padded_vocab(logits, cfg.model.vocab_size), mb["labels"])
+        out[mb["index"].cpu()] = losses.masked_sum_rows(lp, mb["loss_mask"]).float().view(-1, 2).cpu()
 
     keys = ("tokens", "labels", "loss_mask")
-    micro = preference.pair_microbatches({**{k: batch[k] for k in keys}, "index": torch.arange(len(out))},
-                                         pairs_per_microbatch)
+    micro = dpo_microbatches(cfg, {**{k: batch[k] for k in keys}, "index": torch.arange(len(out))})
     forward_only(model_chunks, micro, collect)
     return share_with_pipeline(cp_sum(out))
 
@@ -95,8 +100,7 @@ def precompute(cfg: Config, reference, data: dict, path: Path, key: str) -> tupl
         n = len(data["tokens"])
         share = slice(rank * n // size, (rank + 1) * n // size)
         out = torch.zeros(n, 2, dtype=torch.float64)
-        out[share] = reference_logps(reference(), {k: v[share] for k, v in data.items()},
-                                     cfg.data.micro_batch_size, cfg.model.vocab_size).double()
+        out[share] = reference_logps(reference(), {k: v[share] for k, v in data.items()}, cfg).double()
         dist.all_reduce(out, group=ps.get_data_parallel_group())
         return out.float()
 
@@ -118,11 +122,11 @@ def evaluate(trainee, cfg: Config, val: dict, reference) -> dict:
     rank, size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     mine = {k: v[rank::size] for k, v in val.items()}
     if "ref_logps" not in mine:
-        mine["ref_logps"] = reference_logps(reference(), mine, cfg.data.micro_batch_size, cfg.model.vocab_size)
+        mine["ref_logps"] = reference_logps(reference(), mine, cfg)
     trainee.eval()
     with torch.no_grad():
-        reports = forward_backward(trainee, preference.pair_microbatches(mine, cfg.data.micro_batch_size),
-                                   partial(dpo_loss, cfg, sft_scale(mine)), forward_only=True)
+        reports = forward_backward(trainee, dpo_microbatches(cfg, mine), partial(dpo_loss, cfg, sft_scale(mine)),
+                                   forward_only=True)
     trainee.train()
     return metrics_of(reduce_reports(reports), "val", cfg.algorithm.sft_loss_weight)
 
@@ -185,9 +189,8 @@ def run(cfg: Config, run_dir: Path) -> dict:
         with prof.range("train"):
             batch = batches.next()
             if "ref_logps" not in batch:
-                batch["ref_logps"] = reference_logps(reference(), batch, cfg.data.micro_batch_size, cfg.model.vocab_size)
-            micro = preference.pair_microbatches(batch, cfg.data.micro_batch_size)
-            r, grad_norm = train_step(trainee, micro, partial(dpo_loss, cfg, sft_scale(batch)))
+                batch["ref_logps"] = reference_logps(reference(), batch, cfg)
+            r, grad_norm = train_step(trainee, dpo_microbatches(cfg, batch), partial(dpo_loss, cfg, sft_scale(batch)))
         step += 1
         dt = time.perf_counter() - t0
         metrics = {**metrics_of(r, "train", a.sft_loss_weight), "train/grad_norm": grad_norm,

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron_rl import losses
 from megatron_rl.config import Config, ConfigError
 from megatron_rl.data import rl as rl_data
-from megatron_rl.data.sft import Batches, microbatches, read_jsonl
+from megatron_rl.data.sft import Batches, read_jsonl
 from megatron_rl.data.tasks import data_files
 from megatron_rl.rewards import build_scorer
 from megatron_rl.rollout.engine import Rollout, RolloutEngine, check_supported
@@ -34,12 +34,12 @@ from megatron_rl.training.logprobs import entropy, mask_padded_vocab, token_logp
 from megatron_rl.training.loop import due, finish, save_if_due, start_log, train_step
 from megatron_rl.training.reference import build_reference
 from megatron_rl.training.setup import build_trainee, compute_dtype, load_initial_state, write_run_assets
-from megatron_rl.training.step import cp_sum, first_cp_rank, forward_only, global_mean
+from megatron_rl.training.step import cp_sum, first_cp_rank, forward_only, global_mean, make_microbatches, own_tokens
 
 
-def policy_loss(a, logp: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def policy_loss(a, logp: torch.Tensor, old: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token policy loss (B, S) and which tokens a clip affected, for the configured variant."""
-    old, adv, mask = batch["old_logp"], batch["advantages"], batch["loss_mask"]
+    adv, mask = batch["advantages"], batch["loss_mask"]
     match a.policy_loss, a.ratio_level:
         case "ppo", "token":
             return losses.clipped_policy_loss(logp, old, adv, a.clip_low, a.clip_high, a.dual_clip)
@@ -50,22 +50,27 @@ def policy_loss(a, logp: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch
     raise ValueError(f"no policy loss for algorithm.policy_loss={a.policy_loss} with ratio_level={a.ratio_level}")
 
 
-def grpo_loss(cfg: Config, batch: dict, logits: torch.Tensor):
+def grpo_loss(cfg: Config, batch: dict, logits: torch.Tensor, record=None):
     """(loss numerator, denominator, report) for one microbatch; megatron divides the summed
-    numerators' gradients by the global sum of denominators."""
+    numerators' gradients by the global sum of denominators. Without batch["old_logp"] the old
+    policy is the one being trained (one minibatch, one epoch): its logprobs are this forward's,
+    detached, and record(batch, logp) keeps them."""
     a = cfg.algorithm
     logits = mask_padded_vocab(logits, cfg.model.vocab_size)  # (B, S, V/tp)
     mask = batch["loss_mask"]
     entropy_sum = losses.masked_sum(entropy(logits), mask)  # before token_logprobs overwrites the logits
     logp = token_logprobs(logits, batch["labels"])  # (B, S)
-    loss, clipped = policy_loss(a, logp, batch)
+    if record is not None:
+        record(batch, logp.detach())
+    old = batch["old_logp"] if "old_logp" in batch else logp.detach()
+    loss, clipped = policy_loss(a, logp, old, batch)
     report = {"clipped": losses.masked_sum(clipped.float(), mask).detach()}
     if a.kl_coef:
         kl = losses.kl_penalty(logp, batch["ref_logp"], a.kl_estimator)
         loss = loss + a.kl_coef * kl
         report["kl_sum"] = losses.masked_sum(kl, mask).detach()
     if a.mismatch_correction != "none":
-        weights, masked = losses.mismatch_weights(batch["old_logp"], batch["rollout_logp"], mask,
+        weights, masked = losses.mismatch_weights(old, batch["rollout_logp"], mask,
                                                   a.mismatch_correction, a.mismatch_threshold)
         loss = loss * weights
         report["mismatch_masked"] = losses.masked_sum(masked.float(), mask)
@@ -75,19 +80,18 @@ def grpo_loss(cfg: Config, batch: dict, logits: torch.Tensor):
     return num, den.int(), report
 
 
-def logprobs_of(model_chunks: list, batch: dict, micro_batch_size: int, vocab_size: int, tape=None,
-                replay: bool = False) -> torch.Tensor:
+def logprobs_of(model_chunks: list, batch: dict, cfg: Config, tape=None, replay: bool = False) -> torch.Tensor:
     """Per-token logprobs of the labels (N, S) under `model_chunks`, from the training forward
     (valid on the last pipeline stage; zeros elsewhere). tape: the model's RoutingTape, replaying
     the rollout's routes (or comparing with them)."""
     out = torch.zeros_like(batch["loss_mask"])
 
     def collect(mb, logits):
-        lp = token_logprobs(mask_padded_vocab(logits, vocab_size), mb["labels"]).float()
-        out[mb["index"][:, None], mb["positions"][None, :]] = lp
+        lp = own_tokens(mb, token_logprobs(mask_padded_vocab(logits, cfg.model.vocab_size), mb["labels"]).float())
+        out[mb["index"][:, None].cpu(), mb["positions"][None, :].cpu()] = lp.cpu()
 
-    keys = ("tokens", "labels", "index", *(["routes", "fed"] if tape is not None else []))
-    micro = microbatches({k: batch[k] for k in keys}, micro_batch_size)
+    keys = ("tokens", "labels", "loss_mask", "index", *(["routes", "fed"] if tape is not None else []))
+    micro = make_microbatches(cfg, {k: batch[k] for k in keys}, cfg.data.micro_batch_size)
     with routes_queued(tape, micro, replay):
         forward_only(model_chunks, micro, collect)
     return cp_sum(out)  # each context-parallel rank filled the positions it holds
@@ -265,18 +269,17 @@ def run(cfg: Config, run_dir: Path) -> dict:
             batch.update(index=torch.arange(len(rewards)), advantages=advantages)
             if tape is not None:
                 batch.update(pack_routes(rollout.routes, cfg.data.seq_length))
-            batch["old_logp"] = logprobs_of(trainee.model, batch, cfg.data.micro_batch_size, cfg.model.vocab_size,
-                                            tape, a.router_replay)
+            if not trains_the_old_policy(a):  # else the training forward's logprobs are the old ones
+                batch["old_logp"] = logprobs_of(trainee.model, batch, cfg, tape, a.router_replay)
             if reference is not None:
-                batch["ref_logp"] = logprobs_of(reference, batch, cfg.data.micro_batch_size, cfg.model.vocab_size,
-                                                ref_tape, a.router_replay)
-            mismatch = mismatch_stats(batch)
+                batch["ref_logp"] = logprobs_of(reference, batch, cfg, ref_tape, a.router_replay)
         times["perf/time_logprob_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         with prof.range("train"):
             train_metrics = train_on(trainee, cfg, batch, tape)
         times["perf/time_train_s"] = time.perf_counter() - t0
+        mismatch = mismatch_stats(batch)
         step += 1
 
         n_local = len(rewards)
@@ -336,13 +339,31 @@ def mismatch_stats(batch: dict) -> dict:
     return {"rollout/logprob_mismatch_max": top.item(), "rollout/logprob_mismatch_mean": (stats[1] / stats[2].clamp(min=1)).item()}
 
 
+def trains_the_old_policy(a) -> bool:
+    """Whether the policy that sampled is the one the only optimizer step trains (one minibatch, one
+    epoch): then the old logprobs equal the training forward's, and no separate pass computes them."""
+    return a.minibatches == 1 and a.epochs == 1
+
+
 def train_on(trainee, cfg: Config, batch: dict, tape=None) -> dict:
-    """algorithm.epochs passes of algorithm.minibatches optimizer steps over this rank's batch."""
+    """algorithm.epochs passes of algorithm.minibatches optimizer steps over this rank's batch.
+
+    Without batch["old_logp"] (see trains_the_old_policy) the loss takes the training forward's own
+    logprobs, detached, as the old ones (ratio 1, the full gradient; nothing is clipped), and they
+    are written into batch["old_logp"] for the rollout mismatch metrics."""
     a = cfg.algorithm
     n = len(batch["tokens"])
     per_minibatch = n // a.minibatches
-    loss_fn = partial(grpo_loss, cfg)
-    keys = ["tokens", "labels", "loss_mask", "old_logp", "advantages", *(["ref_logp"] if a.kl_coef else []),
+    record, seen = None, None
+    if "old_logp" not in batch:
+        seen = torch.zeros_like(batch["loss_mask"])
+
+        def record(mb, logp):
+            seen[mb["index"][:, None].cpu(), mb["positions"][None, :].cpu()] = own_tokens(mb, logp.float()).cpu()
+
+    loss_fn = partial(grpo_loss, cfg, record=record)
+    keys = ["tokens", "labels", "loss_mask", "advantages", *(["old_logp"] if seen is None else ["index"]),
+            *(["ref_logp"] if a.kl_coef else []),
             *(["rollout_logp"] if a.mismatch_correction != "none" else []), *(["routes", "fed"] if tape is not None else [])]
     sums, grad_norms = {}, []
     order = torch.arange(n)
@@ -351,12 +372,14 @@ def train_on(trainee, cfg: Config, batch: dict, tape=None) -> dict:
             order = torch.randperm(n, generator=torch.Generator().manual_seed(epoch))
         for m in range(a.minibatches):
             idx = order[m * per_minibatch : (m + 1) * per_minibatch]
-            micro = microbatches({k: batch[k][idx] for k in keys}, cfg.data.micro_batch_size)
+            micro = make_microbatches(cfg, {k: batch[k][idx] for k in keys}, cfg.data.micro_batch_size)
             with routes_queued(tape, micro, a.router_replay):
                 report, grad_norm = train_step(trainee, micro, loss_fn)
             grad_norms.append(grad_norm)
             for k, v in report.items():
                 sums[k] = sums.get(k, 0.0) + v
+    if seen is not None:
+        batch["old_logp"] = cp_sum(seen)  # each context-parallel rank filled the positions it holds
     tokens = max(sums.get("tokens", 0.0), 1.0)
     out = {"train/loss": sums.get("loss_num", 0.0) / max(sums.get("loss_den", 0.0), 1.0),
            "train/clip_frac": sums.get("clipped", 0.0) / tokens, "train/entropy": sums.get("entropy_sum", 0.0) / tokens,

@@ -18,7 +18,7 @@ from megatron_rl.data.tasks import data_files
 from megatron_rl.training.logprobs import argmax_equals, mask_padded_vocab, token_logprobs
 from megatron_rl.training.loop import due, finish, save_if_due, start_log, train_step
 from megatron_rl.training.setup import build_trainee, load_initial_state, write_run_assets
-from megatron_rl.training.step import cp_sum, first_cp_rank, forward_backward, reduce_reports
+from megatron_rl.training.step import cp_sum, first_cp_rank, forward_backward, make_microbatches, reduce_reports
 
 
 def sft_loss(vocab_size: int, batch: dict, logits: torch.Tensor):
@@ -48,7 +48,7 @@ def evaluate(trainee, cfg: Config, val: dict) -> dict:
     from functools import partial
 
     trainee.eval()
-    micro = sft_data.microbatches(_dp_slice(val), cfg.data.micro_batch_size)
+    micro = make_microbatches(cfg, _dp_slice(val), cfg.data.micro_batch_size)
     with torch.no_grad():
         reports = forward_backward(trainee, micro, partial(sft_loss, cfg.model.vocab_size), forward_only=True)
     trainee.train()
@@ -88,7 +88,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
         prof.step(step)
         t0 = time.perf_counter()
         with prof.range("train"):
-            r, grad_norm = train_step(trainee, sft_data.microbatches(batches.next(), cfg.data.micro_batch_size), loss_fn)
+            r, grad_norm = train_step(trainee, make_microbatches(cfg, batches.next(), cfg.data.micro_batch_size), loss_fn)
         step += 1
         dt = time.perf_counter() - t0
         metrics = {"train/loss": r["loss_sum"] / max(r["tokens"], 1),

@@ -159,11 +159,14 @@ def score_tensors(pairs: list[Pair], seq_length: int, pad_id: int) -> dict[str, 
     return {"tokens": tokens, "score_pos": score_positions(tokens, pad_id), "margin": torch.tensor([p.margin for p in pairs])}
 
 
+def flatten_pairs(m: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Pairs (N, 2, ...) as rows [c0, r0, c1, r1, ...]; per-pair tensors (N,) stay per pair."""
+    return {k: v.flatten(0, 1) if v.dim() >= 2 else v for k, v in m.items()}
+
+
 def pair_microbatches(batch: dict[str, torch.Tensor], pairs_per_microbatch: int) -> list[dict[str, torch.Tensor]]:
-    """Microbatches of whole pairs, each flattened to rows [c0, r0, c1, r1, ...]; per-pair tensors
-    (N,) stay per pair."""
-    return [{k: v.flatten(0, 1) if v.dim() >= 2 else v for k, v in m.items()}
-            for m in microbatches(batch, pairs_per_microbatch)]
+    """Microbatches of whole pairs, each flattened to rows (flatten_pairs)."""
+    return [flatten_pairs(m) for m in microbatches(batch, pairs_per_microbatch)]
 
 
 @dataclass

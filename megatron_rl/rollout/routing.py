@@ -137,6 +137,7 @@ class RoutingTape:
         (B, S) marks the positions the rollout fed a token at (for the replay share)."""
         from megatron.core import parallel_state as ps
 
+        from megatron_rl.data.packing import packed_row
         from megatron_rl.training.step import cp_share
 
         self.mode = "replay" if replay else "observe"
@@ -144,8 +145,11 @@ class RoutingTape:
         tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
         default = torch.arange(self.topk)
         for mb in micro:
-            share = cp_share({k: mb[k] for k in ("tokens", "routes", "fed")})
-            routes, fed = share["routes"], share["fed"]
+            if "pack_cu" in mb:  # the forward sees the packed row (data/packing.py)
+                routes, fed = packed_row(mb["routes"], mb, -1), packed_row(mb["fed"], mb, False)
+            else:
+                share = cp_share({k: mb[k] for k in ("tokens", "routes", "fed")})
+                routes, fed = share["routes"], share["fed"]
             if self.sequence_parallel and tp > 1:
                 s = routes.shape[1] // tp
                 routes, fed = routes[:, tp_rank * s:(tp_rank + 1) * s], fed[:, tp_rank * s:(tp_rank + 1) * s]

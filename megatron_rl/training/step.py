@@ -26,12 +26,43 @@ def cp_share(batch: dict) -> dict:
 
     seq_len = batch["tokens"].shape[1]
     cp = ps.get_context_parallel_world_size()
+    if "pack_cu" in batch:
+        return _cp_share_packed(batch, cp, ps.get_context_parallel_rank() if cp > 1 else 0)
     if cp == 1:
         return {**batch, "positions": torch.arange(seq_len, device=batch["tokens"].device)}
     positions = load_balanced_positions(seq_len, cp, ps.get_context_parallel_rank(), batch["tokens"].device)
     share = {k: v[:, positions] if v.dim() >= 2 and v.shape[1] == seq_len else v for k, v in batch.items()}
     share["positions"] = positions
     return share
+
+
+def _cp_share_packed(batch: dict, cp: int, rank: int) -> dict:
+    """A packed microbatch (data/packing.py) on context-parallel rank `rank`: the model gets the rank's
+    positions of the packed row (pack_mine: each sample's load-balanced chunks), and the output goes
+    back to the whole (b, W) grid (pack_src -> pack_dst), the positions other ranks hold left 0 and
+    out of the loss mask ("held"). Per-token sums then add up over the group as unpacked."""
+    from model_providers.attention import load_balanced_packed_positions
+
+    device = batch["tokens"].device
+    out = {**batch, "positions": torch.arange(batch["tokens"].shape[1], device=device)}
+    if cp == 1:
+        return {**out, "pack_src": batch["pack_pos"], "pack_dst": batch["pack_index"]}
+    mine = load_balanced_packed_positions(batch["pack_cu"], cp, rank)
+    grid_of = torch.full((int(batch["pack_cu"][-1]),), -1, dtype=torch.long, device=device)
+    grid_of[batch["pack_pos"]] = batch["pack_index"]
+    dst = grid_of[mine]
+    keep = dst >= 0
+    held = torch.zeros(batch["tokens"].numel(), device=device)
+    held[dst[keep]] = 1.0
+    held = held.view_as(batch["loss_mask"])
+    return {**out, "pack_mine": mine, "pack_src": keep.nonzero().flatten(), "pack_dst": dst[keep], "held": held,
+            "loss_mask": batch["loss_mask"] * held}
+
+
+def own_tokens(mb: dict, x: torch.Tensor) -> torch.Tensor:
+    """Per-token values of a microbatch's (b, W) grid, zero where another context-parallel rank holds
+    the token (packed microbatches): cp_sum then adds up each token once."""
+    return x * mb["held"] if "held" in mb else x
 
 
 def cp_sum(x: torch.Tensor) -> torch.Tensor:
@@ -63,9 +94,68 @@ def first_cp_rank() -> bool:
     return ps.get_context_parallel_rank() == 0
 
 
+def make_microbatches(cfg, batch: dict, per_microbatch: int, flatten=None) -> list[dict]:
+    """This rank's batch as microbatches: `per_microbatch` units each, or with
+    data.max_tokens_per_microbatch > 0 packed under that token budget (data/packing.py). Units lie
+    along dim 0 (samples, or pairs that `flatten` turns into rows)."""
+    import math
+
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.data.packing import packed_microbatches
+    from megatron_rl.data.sft import microbatches
+
+    budget, p = cfg.data.max_tokens_per_microbatch, cfg.parallel
+    if not budget:
+        micro = microbatches(batch, per_microbatch)
+        return [flatten(m) for m in micro] if flatten else micro
+    # On CPU torch's flash-attention kernel computes a causal sequence as the rollout's decode does
+    # when its length is a multiple of 16 (tests/test_paged_attention.py); TE's THD kernels want 8.
+    split = 2 * p.cp if p.cp > 1 else 1  # each sample in 2 x cp load-balanced chunks
+    multiple = math.lcm(8 if torch.cuda.is_available() else 16, split)
+    total_multiple = math.lcm((p.tp if p.sp else 1) * p.cp, split)  # a rank's share splits over TP (SP)
+    count = 0
+    if cfg.model.num_experts and p.ep > 1:  # expert all-to-alls pair up microbatches across ranks
+        n = torch.tensor([len(packed_microbatches(batch, budget, multiple, flatten=flatten))], device=device())
+        torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX, group=ps.get_data_parallel_group())
+        count = int(n.item())
+    return packed_microbatches(batch, budget, multiple, total_multiple, fixed=p.pp > 1, count=count, flatten=flatten)
+
+
+def _packed_forward(model, batch: dict):
+    """The microbatch's samples as one packed row (data/packing.py) through the model; on the last
+    stage the output is put back into the samples' (b, W, ...) grid."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.utils import get_attr_wrapped_model
+
+    from megatron_rl.data.packing import packed_row
+
+    cu = batch["pack_cu"]
+    lengths = cu.diff()
+    total = int(cu[-1])
+    tokens = batch["tokens"]
+    packed = packed_row(tokens, batch)
+    segment = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths.long())
+    positions = (torch.arange(total, device=cu.device) - cu.long()[segment])[None]
+    if "pack_mine" in batch:  # this context-parallel rank's share of the row
+        packed, positions = packed[:, batch["pack_mine"]], positions[:, batch["pack_mine"]]
+    longest = int(lengths.max())
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                             cu_seqlens_kv_padded=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
+    output = model(packed, positions, None, packed_seq_params=params)
+    if not get_attr_wrapped_model(model, "post_process"):
+        return output  # hidden states for the next pipeline stage
+    b, w = tokens.shape
+    grid = output.new_zeros(b * w, *output.shape[2:])
+    grid[batch["pack_dst"]] = output[0, batch["pack_src"]]
+    return grid.view(b, w, *output.shape[2:])
+
+
 def _forward_step(loss_fn, data_iterator, model):
     batch = cp_share({k: v.to(device()) for k, v in next(data_iterator).items()})
     tokens = batch["tokens"]
+    if "pack_cu" in batch:
+        return _packed_forward(model, batch), partial(loss_fn, batch)
     # attention_mask=None: the local spec's attention builds its causal mask itself.
     output = model(tokens, batch["positions"].unsqueeze(0).expand_as(tokens), None)
     return output, partial(loss_fn, batch)
@@ -75,7 +165,7 @@ def forward_backward(trainee, micro: list[dict], loss_fn, forward_only: bool = F
     """Run all microbatches through the schedule; returns the reports of the last stage (else [])."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    seq_length = micro[0]["tokens"].shape[1]
+    packed = "pack_cu" in micro[0]  # one row of all the samples' tokens (the same length on every stage)
     n_chunks = len(trainee.model)
     data = [iter(micro) for _ in range(n_chunks)] if n_chunks > 1 else iter(micro)
     return get_forward_backward_func()(
@@ -83,8 +173,8 @@ def forward_backward(trainee, micro: list[dict], loss_fn, forward_only: bool = F
         data_iterator=data,
         model=trainee.model,
         num_microbatches=len(micro),
-        seq_length=seq_length,
-        micro_batch_size=micro[0]["tokens"].shape[0],
+        seq_length=int(micro[0]["pack_cu"][-1]) if packed else micro[0]["tokens"].shape[1],
+        micro_batch_size=1 if packed else micro[0]["tokens"].shape[0],
         forward_only=forward_only,
     )
 

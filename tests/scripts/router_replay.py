@@ -56,7 +56,6 @@ def main():
     n = len(rollout.routes)
     batch.update(index=torch.arange(n), advantages=torch.randn(n, generator=g),
                  **pack_routes(rollout.routes, cfg.data.seq_length))
-    mbs, vocab = cfg.data.micro_batch_size, cfg.model.vocab_size
     last = ps.is_pipeline_last_stage(ignore_virtual=True)
     mask = batch["loss_mask"] > 0
 
@@ -67,9 +66,9 @@ def main():
         return dict(zip(c, t.tolist()))
 
     result = {"recorded_positions": int(sum((r >= 0).all(-1).all(-1).sum() for r in rollout.routes))}
-    logprobs_of(trainee.model, batch, mbs, vocab, tape, replay=False)
+    logprobs_of(trainee.model, batch, cfg, tape, replay=False)
     result["before_update_observe"] = counts()
-    replayed = logprobs_of(trainee.model, batch, mbs, vocab, tape, replay=True)
+    replayed = logprobs_of(trainee.model, batch, cfg, tape, replay=True)
     result["before_update_replay"] = counts()
     result["logprob_diff_replay"] = (replayed - batch["rollout_logp"]).abs()[mask].max().item() if last else 0.0
 
@@ -90,10 +89,10 @@ def main():
     result["train_replay"] = counts()
     result["train_forwards_used_recorded"] = all(used) and len(used) > 0
 
-    logprobs_of(trainee.model, batch, mbs, vocab, tape, replay=False)
+    logprobs_of(trainee.model, batch, cfg, tape, replay=False)
     result["after_update_observe"] = counts()
     used.clear()
-    logprobs_of(trainee.model, batch, mbs, vocab, tape, replay=True)
+    logprobs_of(trainee.model, batch, cfg, tape, replay=True)
     result["after_update_replay"] = counts()
     result["after_update_used_recorded"] = all(used) and len(used) > 0
     (out_dir / f"result_rank{torch.distributed.get_rank()}.json").write_text(json.dumps(result))
