@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The one prepared script for a lent GPU machine (see ../shared/device/README.md): install the
-# wheels carried in .whl/, run the test suite on CUDA, then the rollout benchmark; results go
+# wheels carried in .whl/, run the test suite on CUDA, then the rollout and GRPO-vs-TRL benchmarks; results go
 # to $OUT (pytest log, benchmark JSON) for BENCHMARKS.md.
 #
-#   here:   ../shared/device/fetch_wheels.sh math-verify latex2sympy2_extended antlr4-python3-runtime==4.13.2
+#   here:   ../shared/device/fetch_wheels.sh math-verify latex2sympy2_extended antlr4-python3-runtime==4.13.2 \
+#               trl==1.16.0 accelerate datasets pyarrow dill multiprocess xxhash fsspec
 #   device: run with carry [".whl"] and command "bash bench/gpu_check.sh"
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
@@ -20,4 +21,7 @@ for batch in 64 256; do
   timeout 240 python3 bench/rollout_throughput.py --batch $batch --json "$OUT/rollout_b$batch.json" \
       > "$OUT/rollout_b$batch.log" 2>&1
 done
+# GRPO against TRL's GRPOTrainer, both on the GPU in bf16 (TRL from the carried wheels); reports MFU.
+timeout 300 python3 bench/grpo_vs_trl.py --precision bf16 --trl-python python3 --threads 16 --steps 3 --repeats 2 \
+    --out "$OUT/grpo_vs_trl.json" > "$OUT/grpo_vs_trl.log" 2>&1
 ls -la "$OUT"

@@ -2,6 +2,7 @@
 batch and optimizer steps, the same thread count, run alternately (never at once).
 
     python bench/grpo_vs_trl.py [--prompts 8] [--n 8] [--new-tokens 64] [--steps 4] [--repeats 3] [--threads 2]
+    python bench/grpo_vs_trl.py --precision bf16 --trl-python python3     # a GPU (bench/gpu_check.sh)
 
 The model is Qwen3-shaped (25.2M parameters: hidden 512, 8 layers, 8 query / 4 key-value heads,
 head_dim 64, tied embeddings) over a 55-token character vocabulary, randomly initialized, so that
@@ -150,7 +151,8 @@ def run_ours(args) -> dict:
             f"rollout.max_requests={args.prompts * args.n}", "data.micro_batch_size=16",
             f"data.max_tokens_per_microbatch={args.max_tokens}", f"optimizer.lr={LR}", f"optimizer.min_lr={LR}",
             f"train.max_steps={args.steps}", "train.eval_every=0", f"train.threads={args.threads}",
-            "logging.progress=false", "logging.tensorboard=false", f"logging.run_dir={run_dir}"]
+            f"train.precision={args.precision}", "logging.progress=false", "logging.tensorboard=false",
+            f"logging.run_dir={run_dir}"]
     if train.main(argv) != 0:
         raise SystemExit("our GRPO run failed")
     s = meter.seconds
@@ -181,7 +183,8 @@ def run_trl(args) -> dict:
         return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
 
     config = trl.GRPOConfig(
-        output_dir=str(Path(args.work) / "trl_out"), use_cpu=not torch.cuda.is_available(), bf16=False, fp16=False,
+        output_dir=str(Path(args.work) / "trl_out"), use_cpu=not torch.cuda.is_available(),
+        bf16=args.precision == "bf16", fp16=False,
         per_device_train_batch_size=batch, gradient_accumulation_steps=1, num_generations=args.n,
         max_completion_length=args.new_tokens, temperature=1.0, top_p=1.0, top_k=0, beta=0.0, num_iterations=1,
         learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=1.0, gradient_checkpointing=False,
@@ -243,7 +246,7 @@ def ensure_trl_venv() -> Path:
 def child(side: str, args, python: str) -> dict:
     cmd = [python, __file__, "--child", side, "--work", args.work, "--model", args.model, "--train", args.train,
            *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("prompts", "n", "new_tokens", "steps", "threads",
-                                                                    "seq_length", "max_tokens")]]
+                                                                    "seq_length", "max_tokens", "precision")]]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONWARNINGS": "ignore", "MASTER_PORT": "29561",
            "TOKENIZERS_PARALLELISM": "false"}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
@@ -271,6 +274,9 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seq-length", type=int, default=96, help="our data.seq_length (prompt + completion)")
     p.add_argument("--max-tokens", type=int, default=1024, help="our data.max_tokens_per_microbatch (0: no packing)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="both sides' training precision (bf16: mixed, fp32 master weights; for a GPU)")
+    p.add_argument("--trl-python", help="a Python that imports trl (default: bench/.trl-venv, made on first use)")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)
@@ -287,14 +293,14 @@ def main():
 
     import torch
 
-    trl_python = str(ensure_trl_venv())
+    trl_python = args.trl_python or str(ensure_trl_venv())
     with tempfile.TemporaryDirectory() as work:
         args.work = work
         workload = make_workload(Path(work), args.prompts, args.n, args.steps)
         args.model, args.train = workload["model"], workload["train"]
         torch.set_num_threads(args.threads)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        tflops = matmul_tflops(device)
+        tflops = matmul_tflops(device, torch.bfloat16 if args.precision == "bf16" else torch.float32)
         print(f"{workload['params'] / 1e6:.1f}M parameters ({workload['non_embedding_params'] / 1e6:.1f}M without "
               f"the embedding), {args.prompts} prompts x {args.n} samples, up to {args.new_tokens} new tokens, "
               f"{args.threads} threads; GEMM rate {tflops:.3f} TFLOP/s", flush=True)
@@ -320,7 +326,7 @@ def report(args, workload: dict, tflops: float, runs: dict):
     rows = [("seconds per step (median)", "step_s", "{:.2f}"), ("  generation", "generate_s", "{:.2f}"),
             ("  old-logprob pass", "logprob_s", "{:.2f}"), ("  training (fwd+bwd+optimizer)", "train_s", "{:.2f}"),
             ("generated tokens/s", "tokens_per_s", "{:.0f}"), ("real training tokens per step", "train_tokens", "{:.0f}"),
-            ("training at the GEMM rate", "train_gemm_share", "{:.0%}")]
+            ("training at the GEMM rate (on a GPU: MFU)", "train_gemm_share", "{:.0%}")]
     for label, key, fmt in rows:
         print(f"| {label} | {fmt.format(med['trl'][key])} | {fmt.format(med['ours'][key])} |")
     for phase in ("generate", "logprob", "train"):

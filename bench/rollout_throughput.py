@@ -39,14 +39,16 @@ def synchronize(device: torch.device):
         torch.cuda.synchronize(device)
 
 
-def matmul_tflops(device: torch.device, n: int = 1024, repeat: int = 20) -> float:
-    """The device's fp32 GEMM rate: the faster of torch.matmul and, on CPU, oneDNN's linear (which
-    our linear layers use there; on AMD CPUs it beats MKL's sgemm)."""
+def matmul_tflops(device: torch.device, dtype: torch.dtype = torch.float32, repeat: int = 20) -> float:
+    """The device's GEMM rate in `dtype` (1024^3 products on CPU, 8192^3 on a GPU): the faster of
+    torch.matmul and, on CPU in fp32, oneDNN's linear (which our linear layers use there; on AMD CPUs
+    it beats MKL's sgemm)."""
     from megatron_rl.platform import cpu
 
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    n = 8192 if device.type == "cuda" else 1024
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     gemms = [lambda: a @ b]
-    if device.type == "cpu" and cpu.has_onednn_linear():
+    if device.type == "cpu" and dtype == torch.float32 and cpu.has_onednn_linear():
         gemms.append(lambda: cpu.onednn_linear(a, b))
     best = 0.0
     for gemm in gemms:

@@ -47,6 +47,11 @@ def load_balanced_packed_positions(cu_seqlens: torch.Tensor, cp: int, rank: int)
                       for start, end in zip(bounds[:-1], bounds[1:])])
 
 
+# torch's CPU flash-attention kernel computes a causal sequence exactly as the rollout's decode does
+# when its length is a multiple of this (tests/test_paged_attention.py).
+PACKED_MULTIPLE = 16
+
+
 class CoreAttention(MegatronModule):
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
@@ -93,25 +98,32 @@ class CoreAttention(MegatronModule):
 
     def _packed(self, query, key, value, params):
         """Causal attention within each sample of a packed row (THD: query (t, heads, dk), key and value
-        (t, groups, d), samples starting at cu_seqlens) -> (t, heads * dv). Samples of one length go
-        through one scaled_dot_product_attention call, each computed as the unpacked causal path
-        computes a sequence of that length."""
+        (t, groups, d), samples starting at cu_seqlens) -> (t, heads * dv). Samples of one padded length
+        go through one scaled_dot_product_attention call. On CPU each is padded to a multiple of
+        PACKED_MULTIPLE there (zeros after its last token, which no query attends to): torch's flash
+        kernel then computes it as the unpacked forward and the rollout's decode do, bit for bit."""
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         if self.cp > 1:
             return self._packed_context_parallel(query, key, value, cu)
+        t, heads, groups = query.shape[0], query.shape[1], key.shape[1]
         starts, lengths = cu[:-1].long(), cu.diff().long()
-        heads, groups = query.shape[1], key.shape[1]
-        out = query.new_empty(query.shape[0], heads, value.shape[-1])
-        for n in lengths.unique().tolist():
-            chosen = starts[lengths == n]
-            idx = (chosen[:, None] + torch.arange(n, device=query.device)).flatten()
-            q, k, v = (t[idx].view(len(chosen), n, *t.shape[1:]).transpose(1, 2) for t in (query, key, value))
+        multiple = PACKED_MULTIPLE if query.device.type == "cpu" else 1
+        padded = -(-lengths // multiple) * multiple
+        if multiple > 1:  # row t: zeros, where padding slots read from
+            query, key, value = (torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in (query, key, value))
+        out = query.new_empty(t, heads, value.shape[-1])
+        for n in padded.unique().tolist():
+            chosen = padded == n
+            offsets = torch.arange(n, device=query.device)
+            real = offsets < lengths[chosen][:, None]  # (samples, n)
+            idx = torch.where(real, starts[chosen][:, None] + offsets, t)
+            q, k, v = (x[idx].transpose(1, 2) for x in (query, key, value))  # (samples, heads or groups, n, d)
             mask = causal_mask(n, n, self.window, device=q.device) if self.window else None
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
                                                dropout_p=self.dropout if self.training else 0.0,
                                                enable_gqa=groups != heads)
-            out[idx] = o.transpose(1, 2).reshape(-1, heads, o.shape[-1])
-        return out.reshape(query.shape[0], -1)
+            out[idx[real]] = o.transpose(1, 2)[real]
+        return out.reshape(t, -1)
 
     def _packed_context_parallel(self, query, key, value, cu):
         """A packed row split over the context-parallel group (load_balanced_packed_positions): this

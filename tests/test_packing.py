@@ -85,7 +85,7 @@ def test_pack_places_samples_in_segments():
     for i, (a, b) in enumerate([(2, 5), (3, 20), (1, 33)]):
         mask[i, a:b] = 1
     mb = {"tokens": torch.arange(120).view(3, 40), "loss_mask": mask, "advantages": torch.ones(3)}
-    out = packing.pack(mb, 16, total=128)
+    out = packing.pack(mb, 16, total=128)  # as with context parallelism: lengths rounded up
     assert out["pack_cu"].tolist() == [0, 16, 48, 96, 128]  # 5 -> 16, 20 -> 32, 33 -> 48 tokens; filler to 128
     assert out["tokens"].shape == (3, 40) and out["advantages"].shape == (3,)  # the grid is at most S wide
     row = packing.packed_row(out["tokens"], out, fill=-1)[0]

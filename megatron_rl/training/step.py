@@ -109,11 +109,10 @@ def make_microbatches(cfg, batch: dict, per_microbatch: int, flatten=None) -> li
     if not budget:
         micro = microbatches(batch, per_microbatch)
         return [flatten(m) for m in micro] if flatten else micro
-    # On CPU torch's flash-attention kernel computes a causal sequence as the rollout's decode does
-    # when its length is a multiple of 16 (tests/test_paged_attention.py); TE's THD kernels want 8.
-    split = 2 * p.cp if p.cp > 1 else 1  # each sample in 2 x cp load-balanced chunks
-    multiple = math.lcm(8 if torch.cuda.is_available() else 16, split)
-    total_multiple = math.lcm((p.tp if p.sp else 1) * p.cp, split)  # a rank's share splits over TP (SP)
+    # Samples follow each other unpadded (attention pads them as its kernel needs), except with context
+    # parallelism: each in 2 x cp load-balanced chunks.
+    multiple = 2 * p.cp if p.cp > 1 else 1
+    total_multiple = math.lcm((p.tp if p.sp else 1) * p.cp, multiple)  # a rank's share splits over TP (SP)
     count = 0
     if cfg.model.num_experts and p.ep > 1:  # expert all-to-alls pair up microbatches across ranks
         n = torch.tensor([len(packed_microbatches(batch, budget, multiple, flatten=flatten))], device=device())
