@@ -47,6 +47,12 @@ def load_balanced_packed_positions(cu_seqlens: torch.Tensor, cp: int, rank: int)
                       for start, end in zip(bounds[:-1], bounds[1:])])
 
 
+def packed_samples(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Which sample each position of a packed row (samples starting at cu_seqlens) belongs to."""
+    lengths = cu_seqlens.diff().long()
+    return torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths)
+
+
 # torch's CPU flash-attention kernel computes a causal sequence exactly as the rollout's decode does
 # when its length is a multiple of this (tests/test_paged_attention.py).
 PACKED_MULTIPLE = 16
@@ -135,8 +141,7 @@ class CoreAttention(MegatronModule):
         rank = torch.distributed.get_rank(self.cp_group)
         q_pos = load_balanced_packed_positions(cu, self.cp, rank)
         k_pos = torch.cat([load_balanced_packed_positions(cu, self.cp, r) for r in range(self.cp)])
-        lengths = cu.diff().long()
-        sample = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths)
+        sample = packed_samples(cu)
         mask = position_mask(q_pos, k_pos, self.window) & (sample[q_pos][:, None] == sample[k_pos][None, :])
         q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))  # (1, heads or groups, t, d)
         out = F.scaled_dot_product_attention(

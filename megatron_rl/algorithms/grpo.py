@@ -34,7 +34,7 @@ from megatron_rl.training.logprobs import entropy, mask_padded_vocab, token_logp
 from megatron_rl.training.loop import due, finish, save_if_due, start_log, train_step
 from megatron_rl.training.reference import build_reference
 from megatron_rl.training.setup import build_trainee, compute_dtype, load_initial_state, write_run_assets
-from megatron_rl.training.step import cp_sum, first_cp_rank, forward_only, global_mean, make_microbatches, own_tokens
+from megatron_rl.training.step import cp_sum, first_cp_rank, forward_only, global_mean, make_microbatches, put_tokens
 
 
 def policy_loss(a, logp: torch.Tensor, old: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,8 +87,7 @@ def logprobs_of(model_chunks: list, batch: dict, cfg: Config, tape=None, replay:
     out = torch.zeros_like(batch["loss_mask"])
 
     def collect(mb, logits):
-        lp = own_tokens(mb, token_logprobs(mask_padded_vocab(logits, cfg.model.vocab_size), mb["labels"]).float())
-        out[mb["index"][:, None].cpu(), mb["positions"][None, :].cpu()] = lp.cpu()
+        put_tokens(out, mb, token_logprobs(mask_padded_vocab(logits, cfg.model.vocab_size), mb["labels"]))
 
     keys = ("tokens", "labels", "loss_mask", "index", *(["routes", "fed"] if tape is not None else []))
     micro = make_microbatches(cfg, {k: batch[k] for k in keys}, cfg.data.micro_batch_size)
@@ -359,7 +358,7 @@ def train_on(trainee, cfg: Config, batch: dict, tape=None) -> dict:
         seen = torch.zeros_like(batch["loss_mask"])
 
         def record(mb, logp):
-            seen[mb["index"][:, None].cpu(), mb["positions"][None, :].cpu()] = own_tokens(mb, logp.float()).cpu()
+            put_tokens(seen, mb, logp)
 
     loss_fn = partial(grpo_loss, cfg, record=record)
     keys = ["tokens", "labels", "loss_mask", "advantages", *(["old_logp"] if seen is None else ["index"]),

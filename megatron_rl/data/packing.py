@@ -2,9 +2,9 @@
 
 Unpacked, every sample is padded to data.seq_length and the model computes the padding too. Packed,
 a microbatch of b samples (rows of a (b, S) batch, each left-aligned, then padding) is fed as one
-row of T tokens: each sample's first L_i tokens, L_i its length rounded up to `multiple`, one after
-another, then filler up to a multiple of `total_multiple` (or to a fixed `total`: pipeline stages
-exchange fixed shapes). cu_seqlens tell attention where each sample starts, so none sees another, and
+row of T tokens: each sample's first L_i tokens, L_i its length (rounded up to `multiple`: context
+parallelism splits each sample), one after another, then filler up to a multiple of
+`total_multiple` (or to a fixed `total`: pipeline stages exchange fixed shapes). cu_seqlens tell attention where each sample starts, so none sees another, and
 rotary embeddings restart their positions per sample. The model's output at the packed positions is
 put back into the samples' (b, W) grid (W: the longest L_i, at most S), so loss functions see the
 unpacked layout and every per-sequence quantity stays per sequence.
@@ -84,22 +84,22 @@ def pack(mb: dict[str, torch.Tensor], multiple: int, total_multiple: int = 1, to
     return out
 
 
-def packed_microbatches(batch: dict[str, torch.Tensor], budget: int, multiple: int, total_multiple: int = 1,
-                        fixed: bool = False, count: int = 0, flatten=None) -> list[dict[str, torch.Tensor]]:
-    """Microbatches of `batch` (units along dim 0: rows, or (N, 2, S) pairs) packed under a token budget.
-    fixed: every pack is `budget` tokens long (pipeline parallelism). count: at least this many
-    microbatches (see split_to). flatten: applied to each microbatch before packing (pairs -> rows)."""
+def unit_groups(batch: dict[str, torch.Tensor], budget: int, multiple: int) -> list[list[int]]:
+    """Which units of `batch` (along dim 0: rows, or (N, 2, S) pairs) share a microbatch under a
+    token budget (groups)."""
     rows = fed_lengths(batch["loss_mask"]).tolist()
-    units = [sum(round_up(n, multiple) for n in (r if isinstance(r, list) else [r])) for r in rows]
-    chosen = groups(units, budget)
-    if count > len(chosen):
-        chosen = split_to(chosen, count)
+    return groups([sum(round_up(n, multiple) for n in (r if isinstance(r, list) else [r])) for r in rows], budget)
+
+
+def packed_microbatches(batch: dict[str, torch.Tensor], chosen: list[list[int]], multiple: int,
+                        total_multiple: int = 1, total: int = 0, flatten=None) -> list[dict[str, torch.Tensor]]:
+    """One packed microbatch (pack) per group of units in `chosen`. flatten: applied to each
+    microbatch before packing (pairs -> rows)."""
     out = []
     for g in chosen:
         idx = torch.tensor(g)
         mb = {k: v[idx] for k, v in batch.items()}
-        out.append(pack(flatten(mb) if flatten else mb, multiple, total_multiple,
-                        round_up(budget, total_multiple) if fixed else 0))
+        out.append(pack(flatten(mb) if flatten else mb, multiple, total_multiple, total))
     return out
 
 

@@ -59,10 +59,13 @@ def _cp_share_packed(batch: dict, cp: int, rank: int) -> dict:
             "loss_mask": batch["loss_mask"] * held}
 
 
-def own_tokens(mb: dict, x: torch.Tensor) -> torch.Tensor:
-    """Per-token values of a microbatch's (b, W) grid, zero where another context-parallel rank holds
-    the token (packed microbatches): cp_sum then adds up each token once."""
-    return x * mb["held"] if "held" in mb else x
+def put_tokens(out: torch.Tensor, mb: dict, values: torch.Tensor) -> None:
+    """Write a microbatch's per-token values (b, W) into the batch-wide (N, S) `out` (on the CPU) at
+    its rows (mb["index"]) and the positions this rank computed; 0 where another context-parallel
+    rank holds the token (packed microbatches), so that cp_sum(out) adds up each token once."""
+    if "held" in mb:
+        values = values * mb["held"]
+    out[mb["index"][:, None].cpu(), mb["positions"][None, :].cpu()] = values.float().cpu()
 
 
 def cp_sum(x: torch.Tensor) -> torch.Tensor:
@@ -102,7 +105,7 @@ def make_microbatches(cfg, batch: dict, per_microbatch: int, flatten=None) -> li
 
     from megatron.core import parallel_state as ps
 
-    from megatron_rl.data.packing import packed_microbatches
+    from megatron_rl.data import packing
     from megatron_rl.data.sft import microbatches
 
     budget, p = cfg.data.max_tokens_per_microbatch, cfg.parallel
@@ -113,12 +116,13 @@ def make_microbatches(cfg, batch: dict, per_microbatch: int, flatten=None) -> li
     # parallelism: each in 2 x cp load-balanced chunks.
     multiple = 2 * p.cp if p.cp > 1 else 1
     total_multiple = math.lcm((p.tp if p.sp else 1) * p.cp, multiple)  # a rank's share splits over TP (SP)
-    count = 0
+    chosen = packing.unit_groups(batch, budget, multiple)
     if cfg.model.num_experts and p.ep > 1:  # expert all-to-alls pair up microbatches across ranks
-        n = torch.tensor([len(packed_microbatches(batch, budget, multiple, flatten=flatten))], device=device())
+        n = torch.tensor([len(chosen)], device=device())
         torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX, group=ps.get_data_parallel_group())
-        count = int(n.item())
-    return packed_microbatches(batch, budget, multiple, total_multiple, fixed=p.pp > 1, count=count, flatten=flatten)
+        chosen = packing.split_to(chosen, int(n.item()))
+    total = packing.round_up(budget, total_multiple) if p.pp > 1 else 0  # pipeline stages exchange fixed shapes
+    return packing.packed_microbatches(batch, chosen, multiple, total_multiple, total, flatten)
 
 
 def _packed_forward(model, batch: dict):
@@ -128,17 +132,15 @@ def _packed_forward(model, batch: dict):
     from megatron.core.utils import get_attr_wrapped_model
 
     from megatron_rl.data.packing import packed_row
+    from model_providers.attention import packed_samples
 
     cu = batch["pack_cu"]
-    lengths = cu.diff()
-    total = int(cu[-1])
     tokens = batch["tokens"]
     packed = packed_row(tokens, batch)
-    segment = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths.long())
-    positions = (torch.arange(total, device=cu.device) - cu.long()[segment])[None]
+    positions = (torch.arange(int(cu[-1]), device=cu.device) - cu.long()[packed_samples(cu)])[None]
     if "pack_mine" in batch:  # this context-parallel rank's share of the row
         packed, positions = packed[:, batch["pack_mine"]], positions[:, batch["pack_mine"]]
-    longest = int(lengths.max())
+    longest = int(cu.diff().max())
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
                              cu_seqlens_kv_padded=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
     output = model(packed, positions, None, packed_seq_params=params)
