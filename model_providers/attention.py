@@ -53,6 +53,24 @@ def packed_samples(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths)
 
 
+_last_packed_cp_mask = (None, None)  # every layer of a microbatch asks for the same mask
+
+
+def _packed_cp_mask(cu_seqlens: torch.Tensor, cp: int, rank: int, window: int) -> torch.Tensor:
+    """(this rank's positions, all ranks' positions) mask of a packed row split over the context-
+    parallel group: causal, and within each sample. Made once per microbatch (a Python loop over
+    its samples), not once per layer."""
+    global _last_packed_cp_mask
+    key = (tuple(cu_seqlens.tolist()), cp, rank, window, cu_seqlens.device, torch.is_inference_mode_enabled())
+    if _last_packed_cp_mask[0] != key:
+        q_pos = load_balanced_packed_positions(cu_seqlens, cp, rank)
+        k_pos = torch.cat([load_balanced_packed_positions(cu_seqlens, cp, r) for r in range(cp)])
+        sample = packed_samples(cu_seqlens)
+        mask = position_mask(q_pos, k_pos, window) & (sample[q_pos][:, None] == sample[k_pos][None, :])
+        _last_packed_cp_mask = (key, mask)
+    return _last_packed_cp_mask[1]
+
+
 # torch's CPU flash-attention kernel computes a causal sequence exactly as the rollout's decode does
 # when its length is a multiple of this (tests/test_paged_attention.py).
 PACKED_MULTIPLE = 16
@@ -138,11 +156,7 @@ class CoreAttention(MegatronModule):
 
         heads = query.shape[1]
         key, value = (gather_from_sequence_parallel_region(t, group=self.cp_group) for t in (key, value))
-        rank = torch.distributed.get_rank(self.cp_group)
-        q_pos = load_balanced_packed_positions(cu, self.cp, rank)
-        k_pos = torch.cat([load_balanced_packed_positions(cu, self.cp, r) for r in range(self.cp)])
-        sample = packed_samples(cu)
-        mask = position_mask(q_pos, k_pos, self.window) & (sample[q_pos][:, None] == sample[k_pos][None, :])
+        mask = _packed_cp_mask(cu, self.cp, torch.distributed.get_rank(self.cp_group), self.window)
         q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))  # (1, heads or groups, t, d)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=self.scale, dropout_p=self.dropout if self.training else 0.0,

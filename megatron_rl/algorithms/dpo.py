@@ -24,11 +24,11 @@ from megatron_rl.config import Config
 from megatron_rl.data import preference
 from megatron_rl.data.sft import Batches
 from megatron_rl.training.logprobs import mask_padded_vocab, token_logprobs
-from megatron_rl.training.loop import due, finish, save_if_due, start_log, train_step
+from megatron_rl.training.loop import due, dp_share, finish, save_if_due, start_log, train_step, validation_report
 from megatron_rl.training.reference import build_reference, cache_key, cached, weight_bytes
 from megatron_rl.training.setup import build_trainee, load_initial_state, write_run_assets
-from megatron_rl.training.step import (cp_sum, cp_sum_straight_through, first_cp_rank, forward_backward, forward_only,
-                                       make_microbatches, reduce_reports, share_with_pipeline)
+from megatron_rl.training.step import (cp_sum, cp_sum_straight_through, first_cp_rank, forward_only, make_microbatches,
+                                       share_with_pipeline)
 
 
 def dpo_loss(cfg: Config, sft_scale: float, batch: dict, logits: torch.Tensor):
@@ -117,18 +117,11 @@ def sft_scale(batch: dict) -> float:
 
 
 def evaluate(trainee, cfg: Config, val: dict, reference) -> dict:
-    from megatron.core import parallel_state as ps
-
-    rank, size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    mine = {k: v[rank::size] for k, v in val.items()}
+    mine = dp_share(val)
     if "ref_logps" not in mine:
         mine["ref_logps"] = reference_logps(reference(), mine, cfg)
-    trainee.eval()
-    with torch.no_grad():
-        reports = forward_backward(trainee, dpo_microbatches(cfg, mine), partial(dpo_loss, cfg, sft_scale(mine)),
-                                   forward_only=True)
-    trainee.train()
-    return metrics_of(reduce_reports(reports), "val", cfg.algorithm.sft_loss_weight)
+    r = validation_report(trainee, dpo_microbatches(cfg, mine), partial(dpo_loss, cfg, sft_scale(mine)))
+    return metrics_of(r, "val", cfg.algorithm.sft_loss_weight)
 
 
 def run(cfg: Config, run_dir: Path) -> dict:

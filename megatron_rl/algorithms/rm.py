@@ -22,9 +22,9 @@ from megatron_rl.config import Config
 from megatron_rl.data import preference
 from megatron_rl.data.sft import Batches
 from megatron_rl.training.heads import scores_at
-from megatron_rl.training.loop import due, finish, save_if_due, start_log, train_step
+from megatron_rl.training.loop import due, dp_share, finish, save_if_due, start_log, train_step, validation_report
 from megatron_rl.training.setup import build_trainee, load_initial_state, write_run_assets
-from megatron_rl.training.step import cp_sum_straight_through, first_cp_rank, forward_backward, reduce_reports
+from megatron_rl.training.step import cp_sum_straight_through, first_cp_rank
 
 
 def rm_loss(cfg: Config, kinds: list[str], batch: dict, scores: torch.Tensor):
@@ -61,16 +61,8 @@ def metrics_of(r: dict, prefix: str) -> dict:
 
 
 def evaluate(trainee, cfg: Config, val: dict, kinds: list[str]) -> dict:
-    from megatron.core import parallel_state as ps
-
-    rank, size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    mine = {k: v[rank::size] for k, v in val.items()}
-    trainee.eval()
-    with torch.no_grad():
-        reports = forward_backward(trainee, preference.pair_microbatches(mine, cfg.data.micro_batch_size),
-                                   partial(rm_loss, cfg, kinds), forward_only=True)
-    trainee.train()
-    return metrics_of(reduce_reports(reports), "val")
+    micro = preference.pair_microbatches(dp_share(val), cfg.data.micro_batch_size)
+    return metrics_of(validation_report(trainee, micro, partial(rm_loss, cfg, kinds)), "val")
 
 
 def run(cfg: Config, run_dir: Path) -> dict:

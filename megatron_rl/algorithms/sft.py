@@ -16,9 +16,9 @@ from megatron_rl.config import Config
 from megatron_rl.data import sft as sft_data
 from megatron_rl.data.tasks import data_files
 from megatron_rl.training.logprobs import argmax_equals, mask_padded_vocab, token_logprobs
-from megatron_rl.training.loop import due, finish, save_if_due, start_log, train_step
+from megatron_rl.training.loop import due, dp_share, finish, save_if_due, start_log, train_step, validation_report
 from megatron_rl.training.setup import build_trainee, load_initial_state, write_run_assets
-from megatron_rl.training.step import cp_sum, first_cp_rank, forward_backward, make_microbatches, reduce_reports
+from megatron_rl.training.step import cp_sum, first_cp_rank, make_microbatches
 
 
 def sft_loss(vocab_size: int, batch: dict, logits: torch.Tensor):
@@ -47,20 +47,9 @@ def prepare_data(cfg: Config, run_dir: Path):
 def evaluate(trainee, cfg: Config, val: dict) -> dict:
     from functools import partial
 
-    trainee.eval()
-    micro = make_microbatches(cfg, _dp_slice(val), cfg.data.micro_batch_size)
-    with torch.no_grad():
-        reports = forward_backward(trainee, micro, partial(sft_loss, cfg.model.vocab_size), forward_only=True)
-    trainee.train()
-    r = reduce_reports(reports)
+    micro = make_microbatches(cfg, dp_share(val), cfg.data.micro_batch_size)
+    r = validation_report(trainee, micro, partial(sft_loss, cfg.model.vocab_size))
     return {"val/loss": r["loss_sum"] / max(r["tokens"], 1), "val/accuracy": r["correct"] / max(r["samples"], 1)}
-
-
-def _dp_slice(data: dict) -> dict:
-    from megatron.core import parallel_state as ps
-
-    rank, size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    return {k: v[rank::size] for k, v in data.items()}
 
 
 def run(cfg: Config, run_dir: Path) -> dict:

@@ -44,9 +44,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cau
     qg = q.reshape(b, groups, per_group, d)  # heads are ordered group-major
     if per_group < MIN_GEMM_ROWS:
         qg = torch.cat([qg, qg.new_zeros(b, groups, MIN_GEMM_ROWS - per_group, d)], dim=2)
-    valid = torch.arange(length, device=q.device)[None, :] < cache_seqlens.clamp(min=1)[:, None]  # (B, L)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, None, :], scale=softmax_scale)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=_decode_mask(cache_seqlens, length), scale=softmax_scale)
     return out[:, :, :per_group].reshape(b, 1, groups * per_group, -1)
+
+
+_last_mask = (None, None, None)  # (cache_seqlens, inference mode, mask) of the last decode step
+
+
+def _decode_mask(cache_seqlens, length):
+    """(B, 1, 1, L) additive mask: 0 on each request's first cache_seqlens[b] keys, -inf after. The
+    kernel would turn a boolean mask into this very tensor (the same arithmetic) on every call;
+    made once per decode step (every layer asks again) it saves about 0.3 of SDPA's 2 ms a call on
+    CPU at 64 requests."""
+    global _last_mask
+    seqlens, mode, mask = _last_mask
+    inference = torch.is_inference_mode_enabled()
+    if mask is None or mode != inference or mask.shape[-1] != length or not torch.equal(seqlens, cache_seqlens):
+        valid = torch.arange(length, device=cache_seqlens.device)[None, :] < cache_seqlens.clamp(min=1)[:, None]
+        mask = torch.zeros(valid.shape, device=valid.device).masked_fill_(~valid, float("-inf"))[:, None, None, :]
+        _last_mask = (cache_seqlens.clone(), inference, mask)
+    return mask
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,

@@ -3,6 +3,7 @@ save, and how a run ends."""
 
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from megatron_rl.config import Config
@@ -33,6 +34,24 @@ def train_step(trainee, micro: list[dict], loss_fn) -> tuple[dict, float]:
     report = reduce_reports(forward_backward(trainee, micro, loss_fn))
     _, grad_norm = optimizer_step(trainee)
     return report, grad_norm
+
+
+def dp_share(data: dict) -> dict:
+    """This data-parallel rank's share of a dict of equally long sequences (every size-th row)."""
+    from megatron.core import parallel_state as ps
+
+    rank, size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    return {k: v[rank::size] for k, v in data.items()}
+
+
+def validation_report(trainee, micro: list[dict], loss_fn) -> dict:
+    """The summed report of a forward-only pass over `micro` in eval mode (validation)."""
+    trainee.eval()
+    try:
+        with torch.no_grad():
+            return reduce_reports(forward_backward(trainee, micro, loss_fn, forward_only=True))
+    finally:
+        trainee.train()
 
 
 def save_if_due(cfg: Config, trainee, run_dir: Path, step: int, last: bool, data_state: dict, assets):
