@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export PYTHONWARNINGS := ignore
 
-.PHONY: demo demo-moe demo-preference test install test-fast clean
+.PHONY: demo demo-moe demo-preference test install test-fast clean slurm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -35,9 +35,16 @@ demo-preference: install
 	$(BIN)/python train.py --recipe tiny_rm
 	$(BIN)/python train.py --recipe tiny_grpo_rm
 
+# A local Slurm for tests/test_slurm.py: Debian's slurm-wlm and munge, installed as root where
+# apt-get exists (elsewhere that test skips and says why).
+slurm:
+	@if [ ! -x /usr/sbin/slurmctld ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	   slurm-wlm munge) >/dev/null 2>&1 || echo "could not install slurm-wlm and munge: tests/test_slurm.py will skip"; fi
+
 # Two workers: many tests wait on process start-up and imports, so two share the two cores well.
 # Tests that start from the shared tiny_sft run form one xdist group (one worker trains it).
-test: install
+test: install slurm
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15 tests
 
 test-fast: install

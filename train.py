@@ -35,7 +35,11 @@ def main(argv=None) -> int:
         return 2
     from megatron_rl import platform
 
-    launch = platform.read_launch()
+    try:
+        launch = platform.read_launch()
+    except platform.LaunchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         cfg = apply_overrides(get_recipe(args.recipe), args.overrides)
         if cfg.model.hf_path:  # the HF checkpoint's config.json sets the architecture
@@ -58,7 +62,13 @@ def main(argv=None) -> int:
 
         torch.set_num_threads(cfg.train.threads)
     p = cfg.parallel
-    platform.init_distributed(launch)
+    try:
+        platform.init_distributed(launch)
+    except platform.LaunchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if launch.rank == 0 and launch.world_size > 1:
+        print(launch.describe(), flush=True)
     platform.init_model_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp if p.vpp > 1 else None, cp=p.cp, ep=p.ep,
                                  etp=p.etp or None, seed=cfg.train.seed)
     if launch.rank == 0:

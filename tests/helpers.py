@@ -3,18 +3,13 @@
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from megatron_rl.platform import free_port  # noqa: F401 (tests import it from here)
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def threads(nproc: int = 1) -> str:

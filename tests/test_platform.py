@@ -1,6 +1,8 @@
 """Each CPU patch in megatron_rl/platform/cpu.py: the megatron call fails without it and works with it."""
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -81,14 +83,78 @@ def test_launch_from_slurm_env():
     env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5",
            "SLURM_NODELIST": "gpu[012-015,020]", "SLURM_JOB_ID": "4242"}
     launch = platform.read_launch(env)
-    assert (launch.rank, launch.world_size, launch.local_rank, launch.master_addr, launch.launcher) == \
-        (5, 16, 5, "gpu012", "slurm")
-    assert platform.first_slurm_host("a1,b2") == "a1"
-    assert platform.first_slurm_host("node") == "node"
+    assert (launch.rank, launch.world_size, launch.local_rank, launch.master_addr, launch.master_port,
+            launch.launcher) == (5, 16, 5, "gpu012", 24242, "slurm")
+    assert launch.nodes == ("gpu012", "gpu013", "gpu014", "gpu015", "gpu020")
+    assert "16 rank(s) on 5 node(s) (gpu012, gpu013, gpu014, gpu015, ...)" in launch.describe()
+
+
+def test_torchrun_inside_an_srun_step_wins():
+    """One srun task per node starting torchrun: torchrun's RANK/WORLD_SIZE/MASTER_* are the job's."""
+    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_NODELIST": "node[1-2]", "SLURM_LOCALID": "0",
+           "RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "MASTER_ADDR": "node1", "MASTER_PORT": "29400"}
+    assert platform.read_launch(env) == platform.Launch(9, 16, 1, "node1", 29400, "torchrun")
+
+
+@pytest.mark.parametrize("nodelist,hosts", [
+    ("node", ["node"]),
+    ("a1,b2", ["a1", "b2"]),
+    ("gpu[001-004,007]", ["gpu001", "gpu002", "gpu003", "gpu004", "gpu007"]),
+    ("node[01-02]-ib", ["node01-ib", "node02-ib"]),
+    ("gpu[8-10],cpu1,login[3]", ["gpu8", "gpu9", "gpu10", "cpu1", "login3"]),
+    ("r[1-2]n[09-10]", ["r1n09", "r1n10", "r2n09", "r2n10"]),
+    ("nid[00001-00002],x-y.z", ["nid00001", "nid00002", "x-y.z"]),
+])
+def test_every_nodelist_form(nodelist, hosts):
+    assert platform.expand_nodelist(nodelist) == hosts
+    if shutil.which("scontrol"):  # what Slurm itself says, where it is installed
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
+        if out.returncode == 0:
+            assert out.stdout.split() == hosts
+
+
+@pytest.mark.parametrize("env,says", [
+    ({"SLURM_PROCID": "0"}, "SLURM_NTASKS and SLURM_NODELIST not"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NODELIST": "gpu[1-"}, "unclosed bracket"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NODELIST": "gpu[4-2]"}, "rising range"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NODELIST": "gpu]1"}, "unbalanced"),
+    ({"RANK": "one", "WORLD_SIZE": "2"}, "RANK='one' is not a whole number"),
+])
+def test_bad_launch_environment(env, says):
+    with pytest.raises(platform.LaunchError, match=re.escape(says)):
+        platform.read_launch(env)
 
 
 def test_single_process_default():
-    assert platform.read_launch({}).world_size == 1
+    """One process, on a free port: two runs on one machine never collide on 29500."""
+    launch = platform.read_launch({})
+    assert launch.world_size == 1 and launch.master_port != 29500
+    assert platform.read_launch({"MASTER_PORT": "1234"}).master_port == 1234
+
+
+def test_bad_launch_ends_in_one_sentence(tmp_path):
+    """An incomplete Slurm environment, and a master port already taken: exit code 2, one line, no
+    traceback, nothing written."""
+    import socket
+
+    base = [sys.executable, "train.py", "--recipe", "tiny_sft", f"logging.run_dir={tmp_path / 'run'}"]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    out = subprocess.run(base, cwd=ROOT, capture_output=True, text=True, env={**clean, "SLURM_PROCID": "0"},
+                         timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "error: SLURM_PROCID is set but SLURM_NTASKS and SLURM_NODELIST not: launch each rank with srun inside an "
+        "allocation (sbatch or salloc), or unset SLURM_PROCID for a single process"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(base, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                             env={**clean, "MASTER_PORT": str(port), "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"error: the master port {port} on 127.0.0.1 is already in use (another run on this machine?): set "
+        "MASTER_PORT to a free port")
+    assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()
 
 
 def test_device_is_cpu_without_cuda():

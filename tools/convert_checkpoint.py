@@ -55,9 +55,9 @@ def main(argv=None) -> int:
     from megatron_rl.hf import DTYPES, export_hf, import_hf, model_config_from_hf, staging_dir, write_assets
     from megatron_rl.training.setup import build_model
 
-    launch = platform.read_launch()
     out = Path(args.out)
     try:
+        launch = platform.read_launch()
         if out.exists() and not args.overwrite:
             raise ConfigError(f"{str(out)!r} already exists; choose another --out or pass --overwrite.")
         if args.command == "import":
@@ -67,8 +67,8 @@ def main(argv=None) -> int:
         cfg = Config(model=model, parallel=ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep))
         cfg.train.precision = "fp32"  # conversions are exact: bf16/fp16 weights fit fp32 losslessly
         cfg.validate(world_size=launch.world_size)
-    except (ConfigError, FileNotFoundError) as e:
-        if launch.rank == 0:
+    except (ConfigError, FileNotFoundError, platform.LaunchError) as e:
+        if isinstance(e, platform.LaunchError) or launch.rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -28,6 +28,10 @@ if not has_cuda():
     _cpu.apply()
 
 
+class LaunchError(ValueError):
+    """The launcher's environment cannot start this job (one sentence for the user)."""
+
+
 @dataclass(frozen=True)
 class Launch:
     """Where this process sits in the job, read from the launcher's environment."""
@@ -38,37 +42,99 @@ class Launch:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     launcher: str = "single"
+    nodes: tuple = ()  # the job's hosts where the launcher says (Slurm)
+
+    def describe(self) -> str:
+        where = f" on {len(self.nodes)} node(s) ({', '.join(self.nodes[:4])}{', ...' if len(self.nodes) > 4 else ''})" \
+            if self.nodes else ""
+        return f"launch: {self.launcher}, {self.world_size} rank(s){where}, master {self.master_addr}:{self.master_port}"
 
 
-def first_slurm_host(nodelist: str) -> str:
-    """First host of a Slurm nodelist: 'gpu[003-005,010],cpu1' -> 'gpu003'."""
-    head = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
-    if head is None:
-        raise ValueError(f"cannot parse SLURM_NODELIST={nodelist!r}")
-    prefix, ranges = head.group(1), head.group(3)
-    if not ranges:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
+def _split_top_level(text: str) -> list[str]:
+    """'a[1-2,4],b' -> ['a[1-2,4]', 'b']: commas outside brackets."""
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if depth < 0 or depth > 1:
+            raise LaunchError(f"cannot parse the Slurm nodelist {text!r}: unbalanced or nested brackets")
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    if depth:
+        raise LaunchError(f"cannot parse the Slurm nodelist {text!r}: an unclosed bracket")
+    return parts + [current]
+
+
+def _expand_host(pattern: str, nodelist: str) -> list[str]:
+    """'node[01-02]-ib' -> ['node01-ib', 'node02-ib']; several bracket groups multiply out."""
+    if "[" not in pattern:
+        if not pattern or "]" in pattern:
+            raise LaunchError(f"cannot parse the Slurm nodelist {nodelist!r}: empty or stray ']' in {pattern!r}")
+        return [pattern]
+    head, rest = pattern.split("[", 1)
+    ranges, tail = rest.split("]", 1)
+    numbers = []
+    for item in ranges.split(","):
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", item.strip())
+        if m is None or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+            raise LaunchError(f"cannot parse the Slurm nodelist {nodelist!r}: {item!r} is not a number or a "
+                              "rising range such as 001-004")
+        lo, hi, width = int(m.group(1)), int(m.group(2) or m.group(1)), len(m.group(1))
+        numbers += [str(i).zfill(width) for i in range(lo, hi + 1)]
+    return [head + n + t for n in numbers for t in _expand_host(tail, nodelist)] if tail else [head + n for n in numbers]
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Every host of a Slurm nodelist, in order: 'gpu[001-002,007],cpu1' -> gpu001, gpu002, gpu007,
+    cpu1; suffixes and several ranges too ('node[01-02]-ib', 'r[1-2]n[1-2]'), as `scontrol show
+    hostnames` prints them."""
+    hosts = [h for part in _split_top_level(nodelist.strip()) for h in _expand_host(part.strip(), nodelist)]
+    if not hosts:
+        raise LaunchError(f"the Slurm nodelist {nodelist!r} names no host")
+    return hosts
 
 
 def read_launch(env=os.environ) -> Launch:
-    """torchrun's variables win over Slurm's; neither means one process."""
+    """torchrun's variables win over Slurm's (torchrun inside an srun step sets them); neither means
+    one process, on a free port unless MASTER_PORT is set (two runs on one machine do not collide)."""
     if "RANK" in env and "WORLD_SIZE" in env:
         return Launch(
-            rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
-            local_rank=int(env.get("LOCAL_RANK", 0)),
-            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=int(env.get("MASTER_PORT", 29500)), launcher="torchrun",
-        )
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        job = int(env.get("SLURM_JOB_ID", "0"))
+            rank=_int(env, "RANK"), world_size=_int(env, "WORLD_SIZE"), local_rank=_int(env, "LOCAL_RANK", 0),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=_int(env, "MASTER_PORT", 29500),
+            launcher="torchrun")
+    if "SLURM_PROCID" in env:
+        missing = [k for k in ("SLURM_NTASKS", "SLURM_NODELIST") if k not in env]
+        if missing:
+            raise LaunchError(f"SLURM_PROCID is set but {' and '.join(missing)} not: launch each rank with srun "
+                              "inside an allocation (sbatch or salloc), or unset SLURM_PROCID for a single process")
+        nodes = tuple(expand_nodelist(env["SLURM_NODELIST"]))
+        job = _int(env, "SLURM_JOB_ID", 0)
         return Launch(
-            rank=int(env["SLURM_PROCID"]), world_size=int(env["SLURM_NTASKS"]),
-            local_rank=int(env.get("SLURM_LOCALID", 0)),
-            master_addr=env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_NODELIST", "127.0.0.1")),
-            master_port=int(env.get("MASTER_PORT", 20000 + job % 10000)), launcher="slurm",
-        )
-    return Launch(master_port=int(env.get("MASTER_PORT", 29500)))
+            rank=_int(env, "SLURM_PROCID"), world_size=_int(env, "SLURM_NTASKS"),
+            local_rank=_int(env, "SLURM_LOCALID", 0), master_addr=env.get("MASTER_ADDR") or nodes[0],
+            master_port=_int(env, "MASTER_PORT", 20000 + job % 10000), launcher="slurm", nodes=nodes)
+    return Launch(master_port=_int(env, "MASTER_PORT", 0) or free_port())
+
+
+def _int(env, key: str, default: int | None = None) -> int:
+    value = env.get(key)
+    if value is None and default is not None:
+        return default
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise LaunchError(f"{key}={value!r} is not a whole number: fix the launcher's environment") from None
+
+
+def free_port() -> int:
+    """A TCP port no process listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def device() -> torch.device:
@@ -87,12 +153,18 @@ def init_distributed(launch: Launch | None = None, timeout_minutes: int = 30) ->
         torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
     from datetime import timedelta
 
-    dist.init_process_group(
-        backend="nccl" if has_cuda() else "gloo",
-        init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-        rank=launch.rank, world_size=launch.world_size,
-        timeout=timedelta(minutes=timeout_minutes),
-    )
+    try:
+        dist.init_process_group(
+            backend="nccl" if has_cuda() else "gloo",
+            init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+            rank=launch.rank, world_size=launch.world_size,
+            timeout=timedelta(minutes=timeout_minutes),
+        )
+    except dist.DistNetworkError as e:
+        if "address already in use" not in str(e).lower():
+            raise
+        raise LaunchError(f"the master port {launch.master_port} on {launch.master_addr} is already in use (another "
+                          "run on this machine?): set MASTER_PORT to a free port") from None
     return launch
 
 
