@@ -2,7 +2,6 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-export PYTHONWARNINGS := ignore
 
 .PHONY: demo demo-moe demo-preference test install test-fast clean slurm
 

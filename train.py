@@ -47,6 +47,10 @@ def main(argv=None) -> int:
 
             cfg.model = resolve_model(cfg.model)
         cfg.validate(world_size=launch.world_size)
+        if not args.print_config:
+            from megatron_rl.platform import fp8
+
+            fp8.check_support(cfg.fp8)
     except ConfigError as e:
         if launch.rank == 0:
             print(f"error: {e}", file=sys.stderr)
@@ -67,8 +71,10 @@ def main(argv=None) -> int:
     except platform.LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if launch.rank == 0 and launch.world_size > 1:
-        print(launch.describe(), flush=True)
+    if launch.rank == 0:
+        for line in (launch.describe() if launch.world_size > 1 else None, platform.check_cuda_connections(p.tp, p.cp)):
+            if line:
+                print(line, flush=True)
     platform.init_model_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp if p.vpp > 1 else None, cp=p.cp, ep=p.ep,
                                  etp=p.etp or None, seed=cfg.train.seed)
     if launch.rank == 0:

@@ -447,13 +447,39 @@ class TrainConfig:
     """Also decode the validation prompts greedily and report val/accuracy (exact match)."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """'auto' is bf16 on GPU and fp32 on CPU."""
-    fp8: Literal["off", "e4m3", "hybrid"] = "off"
-    """FP8 GEMMs through Transformer Engine where it is installed (else bf16, with a notice)."""
     recompute: Literal["none", "selective", "full"] = "none"
     threads: int = 0
     """CPU threads of each process (torch.set_num_threads); a run's numbers depend on it on the
     CPU, so the tiny recipes pin it. 0 leaves torch's default (OMP_NUM_THREADS)."""
     """Activation recompute: 'selective' recomputes attention's core, 'full' each layer in the backward."""
+
+
+@dataclass(kw_only=True)
+class FP8Config:
+    """FP8 GEMMs through Transformer Engine (GPUs only; megatron-core's fp8_* settings)."""
+
+    format: Literal["off", "e4m3", "hybrid"] = "off"
+    """'e4m3' everywhere, or 'hybrid' (e4m3 forward, e5m2 gradients); 'off': bf16."""
+    recipe: Literal["tensorwise", "delayed", "blockwise", "mxfp8"] = "tensorwise"
+    """Scaling: per-tensor current ('tensorwise', Hopper and Blackwell), per-tensor from an amax
+    history ('delayed'), 128-element blocks ('blockwise', Hopper, CUDA >= 12.9) or MXFP8's 32-element
+    blocks ('mxfp8', Blackwell only)."""
+    bf16_first_layers: int = 0
+    """Transformer layers at the start kept in bf16 (not with recipe=delayed)."""
+    bf16_last_layers: int = 0
+    """Transformer layers at the end kept in bf16 (not with recipe=delayed)."""
+    param: bool = False
+    """Keep the GEMM weights themselves in FP8 (less memory; megatron's fp8_param)."""
+
+    def validate(self):
+        if self.format == "off":
+            return
+        if min(self.bf16_first_layers, self.bf16_last_layers) < 0:
+            raise ConfigError("fp8.bf16_first_layers and fp8.bf16_last_layers must be >= 0.")
+        if self.recipe == "delayed" and (self.bf16_first_layers or self.bf16_last_layers):
+            raise ConfigError("fp8.recipe=delayed cannot keep the first or last layers in bf16 (megatron-core refuses "
+                              "it): use fp8.recipe=tensorwise or blockwise, or set fp8.bf16_first_layers and "
+                              "fp8.bf16_last_layers to 0.")
 
 
 @dataclass(kw_only=True)
@@ -479,6 +505,14 @@ class LoggingConfig:
     tensorboard: bool = True
     progress: bool = True
     """A progress bar with ETA on the console of rank 0."""
+    wandb_project: str = ""
+    """Weights & Biases project to log to (empty: off). Needs `pip install wandb`."""
+    wandb_run: str = ""
+    """The W&B run's name (empty: the run directory's name)."""
+    wandb_entity: str = ""
+    """W&B team or user (empty: your default)."""
+    wandb_mode: Literal["online", "offline"] = "online"
+    """offline writes the run under <run_dir>/wandb for a later `wandb sync`."""
 
 
 @dataclass(kw_only=True)
@@ -486,8 +520,22 @@ class ProfilingConfig:
     nvtx: bool = False
     """Wrap phases in nvtx ranges (for nsys)."""
     nsys_start: int = -1
-    """Step where torch.cuda.profiler capture starts (run under `nsys --capture-range=cudaProfilerApi`)."""
+    """First step of the profiling window: torch.cuda.profiler capture starts there (run under `nsys
+    --capture-range=cudaProfilerApi --capture-range-end=stop`), and the torch profiler records."""
     nsys_end: int = -1
+    """The step where the window closes (-1: one step after nsys_start)."""
+    ranks: list[int] = field(default_factory=lambda: [0])
+    """The ranks that profile (the others run unprofiled)."""
+    torch_profiler: bool = False
+    """Record the window with torch.profiler into <run_dir>/profile/*.pt.trace.json (TensorBoard and
+    Chrome/Perfetto open it), on any device; without a window, step 1 (after a warm-up step)."""
+
+    def window(self) -> tuple[int, int]:
+        """[start, end) of the profiling window in steps; (-1, -1) when nothing is profiled."""
+        start = self.nsys_start if self.nsys_start >= 0 else (1 if self.torch_profiler else -1)
+        if start < 0:
+            return -1, -1
+        return start, self.nsys_end if self.nsys_end > start else start + 1
 
 
 @dataclass(kw_only=True)
@@ -502,6 +550,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    fp8: FP8Config = field(default_factory=FP8Config)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
@@ -513,6 +562,7 @@ class Config:
         self.optimizer.validate()
         self.data.validate(self.parallel.data_parallel_size(world_size), uses_global_batch=self.algorithm.name != "grpo")
         self._validate_heads_and_rewards()
+        self.fp8.validate()
         p = self.parallel
         split = (2 * p.cp if p.cp > 1 else 1) * (p.tp if p.sp else 1)
         if self.data.seq_length % split:
@@ -529,6 +579,12 @@ class Config:
             raise ConfigError(f"train.threads={self.train.threads} must be >= 0 (0: torch's default).")
         if self.train.eval_every < 0 or self.checkpoint.save_every < 0:
             raise ConfigError("train.eval_every and checkpoint.save_every must be >= 0 (0 means at the end only).")
+        if self.logging.wandb_project:
+            import importlib.util
+
+            if importlib.util.find_spec("wandb") is None:
+                raise ConfigError("logging.wandb_project needs Weights & Biases: pip install wandb (or pip install -e "
+                                  "'.[wandb]'), or leave logging.wandb_project empty.")
         return self
 
     def _validate_grpo(self, dp: int):
@@ -645,6 +701,11 @@ _SECTION_OF = {f.type if isinstance(f.type, str) else f.type.__name__: f.name
 # --- overrides -------------------------------------------------------------------------------
 
 
+# Keys that moved, with what replaced them.
+MOVED = {"train.fp8": "FP8 has its own section now; use fp8.format (with fp8.recipe, fp8.bf16_first_layers, "
+                      "fp8.bf16_last_layers, fp8.param)."}
+
+
 def all_keys(cfg: Config) -> list[str]:
     keys = []
     for section in dataclasses.fields(cfg):
@@ -664,7 +725,8 @@ def _parse_value(text: str, annotation, key: str):
             return None
         hint, origin = args[0], typing.get_origin(args[0])
     if origin is list:
-        return [item.strip() for item in text.split(",") if item.strip()]
+        (item_type,) = typing.get_args(hint) or (str,)
+        return [_parse_value(item.strip(), item_type, key) for item in text.split(",") if item.strip()]
     if origin is dict:  # name:number,name:number
         out = {}
         for item in filter(None, (i.strip() for i in text.split(","))):
@@ -704,6 +766,8 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
             raise ConfigError(f"override {item!r} is not of the form section.field=value.")
         key, text = item.split("=", 1)
         section, _, name = key.partition(".")
+        if key in MOVED:
+            raise ConfigError(f"{key} is gone: {MOVED[key]}")
         if section not in hints or name not in hints[section]:
             close = difflib.get_close_matches(key, all_keys(cfg), n=3, cutoff=0.5)
             hint = f" Did you mean {', '.join(close)}?" if close else " Run with --print-config to see all keys."

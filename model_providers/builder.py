@@ -20,6 +20,13 @@ def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
+def _fp8_kwargs(f) -> dict:
+    """megatron-core's fp8_* settings of an FP8Config."""
+    return dict(fp8=f.format, fp8_recipe=f.recipe, fp8_param=f.param,
+                first_last_layers_bf16=bool(f.bf16_first_layers or f.bf16_last_layers),
+                num_layers_at_start_in_bf16=f.bf16_first_layers, num_layers_at_end_in_bf16=f.bf16_last_layers)
+
+
 def te_available() -> bool:
     if not torch.cuda.is_available():
         return False
@@ -95,8 +102,8 @@ class Provider:
     parallel: ParallelConfig
     dtype: torch.dtype = torch.float32
     """Parameter dtype: bf16 on GPU, fp32 on CPU."""
-    fp8: str = "off"
-    """FP8 recipe for Transformer Engine's GEMMs ('e4m3', 'hybrid'); ignored without TE."""
+    fp8: object = None
+    """The FP8Config (format 'off' or None: bf16); ignored without Transformer Engine (the planner)."""
     recompute: str = "none"
 
     def transformer_config(self):
@@ -145,10 +152,11 @@ class Provider:
             apply_rope_fusion=False,
             persist_layer_norm=False,
             calculate_per_token_loss=True,  # losses are normalized by global token counts
+            cuda_graph_scope=[],  # the whole layer; megatron's default "full" means the same and warns it is deprecated
             num_layers_in_first_pipeline_stage=p.first_stage_layers or None,
             num_layers_in_last_pipeline_stage=p.last_stage_layers or None,
             **_recompute_kwargs(self.recompute),
-            **({"fp8": self.fp8} if self.fp8 != "off" and te_available() else {}),
+            **(_fp8_kwargs(self.fp8) if self.fp8 is not None and self.fp8.format != "off" and te_available() else {}),
             **_moe_kwargs(m, p),
         )
         if m.multi_latent_attention:

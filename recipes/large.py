@@ -90,7 +90,10 @@ def deepseek_v3_grpo() -> Config:
     cfg = _math_grpo(model, ParallelConfig(tp=8, sp=True, pp=8, first_stage_layers=7, last_stage_layers=6, ep=32,
                                            etp=1, dp=4),
                      prompts_per_step=32, max_requests=16, kv_cache_gb=8)
-    cfg.train.fp8 = "hybrid"
+    # FP8 (blockwise: H100; on GB200 fp8.recipe=mxfp8), rollouts through the same FP8 modules: the
+    # rollout/training mismatch widens, so importance weights correct it
+    cfg.fp8.format, cfg.fp8.recipe = "hybrid", "blockwise"
+    cfg.algorithm.mismatch_correction = "token_truncate"
     return cfg
 
 

@@ -18,6 +18,9 @@ def test_overrides_are_typed():
     ("optimizer.distributed=maybe", "is not a boolean"),
     ("scheduler.decay=cubic", "is not one of 'cosine', 'linear', 'constant'"),
     ("optimizer", "is not of the form section.field=value"),
+    ("train.fp8=hybrid", "train.fp8 is gone: FP8 has its own section now; use fp8.format (with fp8.recipe"),
+    ("fp8.recipe=nvfp4", "fp8.recipe='nvfp4' is not one of 'tensorwise', 'delayed', 'blockwise', 'mxfp8'"),
+    ("profiling.ranks=0,x", "profiling.ranks='x' is not an integer"),
 ])
 def test_bad_override_messages(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
@@ -52,6 +55,47 @@ def test_cli_errors_are_one_line():
     assert proc.stderr.strip().splitlines()[-1].startswith("error: unknown recipe 'nope'")
     proc = run_train(["--recipe", "tiny_sft", "optimizer.lrr=1"], check=False)
     assert proc.returncode == 2 and "Did you mean optimizer.lr" in proc.stderr
+    if not __import__("torch").cuda.is_available():  # FP8 without Transformer Engine and a GPU
+        proc = run_train(["--recipe", "tiny_sft", "fp8.format=hybrid"], check=False)
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+            'error: fp8.format=hybrid needs Transformer Engine and a GPU: pip install -e ".[gpu]" on a CUDA machine (or '
+            'use the container), or set fp8.format=off.']
+
+
+def test_fp8_settings(monkeypatch):
+    """Refused when the config is read: delayed scaling with bf16 first/last layers (megatron-core
+    raises later); and a recipe TE's own probe says this machine cannot run (TE stubbed on CPU)."""
+    import sys
+    import types
+
+    from megatron_rl.platform import fp8
+    from model_providers.builder import _fp8_kwargs
+
+    cfg = apply_overrides(get_recipe("tiny_sft"), ["fp8.format=hybrid", "fp8.recipe=delayed", "fp8.bf16_first_layers=1"])
+    with pytest.raises(ConfigError, match="fp8.recipe=delayed cannot keep the first or last layers in bf16"):
+        cfg.validate()
+    cfg.fp8.recipe = "blockwise"
+    cfg.validate()
+    from megatron.core.transformer import TransformerConfig
+
+    assert set(_fp8_kwargs(cfg.fp8)) <= set(TransformerConfig.__dataclass_fields__)
+    assert _fp8_kwargs(cfg.fp8)["first_last_layers_bf16"] is True
+
+    te = types.ModuleType("transformer_engine")
+    te.pytorch = types.ModuleType("transformer_engine.pytorch")
+    te.pytorch.fp8 = probes = types.ModuleType("transformer_engine.pytorch.fp8")
+    probes.check_fp8_support = lambda: (True, "")
+    probes.check_fp8_block_scaling_support = lambda: (True, "")
+    probes.check_mxfp8_support = lambda: (False, "Device compute capability 10.0 or higher required for MXFP8 execution.")
+    for name, module in (("transformer_engine", te), ("transformer_engine.pytorch", te.pytorch),
+                         ("transformer_engine.pytorch.fp8", probes)):
+        monkeypatch.setitem(sys.modules, name, module)
+    fp8.check_support(cfg.fp8)  # blockwise: supported here
+    cfg.fp8.recipe = "mxfp8"
+    with pytest.raises(ConfigError) as e:
+        fp8.check_support(cfg.fp8)
+    assert str(e.value) == ("fp8.recipe=mxfp8 cannot run on this machine (Device compute capability 10.0 or higher "
+                            "required for MXFP8 execution): use fp8.recipe=tensorwise or blockwise.")
 
 
 def test_missing_checkpoint_is_one_line(tmp_path):

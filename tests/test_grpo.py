@@ -26,8 +26,9 @@ def sft_checkpoint(sft_run):
 @pytest.fixture(scope="module")
 def single(sft_checkpoint, tmp_path_factory):
     run = tmp_path_factory.mktemp("grpo_single")
-    run_train(["--recipe", "tiny_grpo", *QUICK, "train.max_steps=2", f"checkpoint.load={sft_checkpoint}",
-               f"logging.run_dir={run}"])
+    proc = run_train(["--recipe", "tiny_grpo", *QUICK, "train.max_steps=2", f"checkpoint.load={sft_checkpoint}",
+                      "profiling.torch_profiler=true", f"logging.run_dir={run}"])
+    (run / "stdout.txt").write_text(proc.stdout)
     return run
 
 
@@ -46,6 +47,17 @@ def test_grpo_step_metrics_and_logprob_agreement(single):
     assert max(column(single, "rollout/logprob_mismatch_max")) <= 2e-6
     assert 0 < rows[-1]["train/entropy"] < 2.71  # below log(15): the padded vocabulary is excluded
     assert (single / "plot.png").is_file()
+
+
+def test_torch_profiler_trace_and_time_per_phase(single):
+    """profiling.torch_profiler=true records the window (step 1 by default) into a trace TensorBoard
+    and Chrome open, holding the run's phases; the run ends with a table of time per phase."""
+    (trace,) = (single / "profile").glob("rank0.*.pt.trace.json")
+    names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
+    assert {"rollout", "train", "aten::mm"} <= names
+    table = (single / "stdout.txt").read_text().split("time per phase (rank 0):\n")[1].splitlines()
+    assert table[0].split() == ["phase", "seconds", "share", "per", "step"]
+    assert {"rollout", "logprob", "train", "eval"} <= {line.split()[0] for line in table[1:] if line.strip()}
 
 
 # Tolerances: the same rollouts (same seed) through a different reduction order. With context

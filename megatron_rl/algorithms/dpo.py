@@ -197,5 +197,5 @@ def run(cfg: Config, run_dir: Path) -> dict:
         save_if_due(cfg, trainee, run_dir, step, is_last, batches.state_dict(), assets)
     if scorer is not None:
         scorer.close()
-    return finish(cfg, trainee, run_dir, assets, log, metrics,
+    return finish(cfg, trainee, run_dir, assets, log, prof, metrics,
                   plot=["train/preference_loss", "val/preference_accuracy", "val/accuracy"])

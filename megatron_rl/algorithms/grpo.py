@@ -305,7 +305,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
         save_if_due(cfg, trainee, run_dir, step, is_last, stream.state_dict(), assets)
     runner.close()
     val_scorer.close()
-    return finish(cfg, trainee, run_dir, assets, log, metrics, plot=["rollout/reward_mean", "val/accuracy"])
+    return finish(cfg, trainee, run_dir, assets, log, prof, metrics, plot=["rollout/reward_mean", "val/accuracy"])
 
 
 def routing_stats(tape, replay: bool) -> dict:

@@ -100,4 +100,4 @@ def run(cfg: Config, run_dir: Path) -> dict:
                 metrics.update(evaluate(trainee, cfg, data.val, data.kinds))
         log.log(step, metrics)
         save_if_due(cfg, trainee, run_dir, step, is_last, batches.state_dict(), assets)
-    return finish(cfg, trainee, run_dir, assets, log, metrics, plot=["train/loss", "val/accuracy"])
+    return finish(cfg, trainee, run_dir, assets, log, prof, metrics, plot=["train/loss", "val/accuracy"])

@@ -100,4 +100,4 @@ def run(cfg: Config, run_dir: Path) -> dict:
         save_if_due(cfg, trainee, run_dir, step, is_last or stop, batches.state_dict(), assets)
         if stop:
             break
-    return finish(cfg, trainee, run_dir, assets, log, metrics)
+    return finish(cfg, trainee, run_dir, assets, log, prof, metrics)

@@ -1,4 +1,5 @@
-"""Run outputs on rank 0: metrics.jsonl (one flat object per step), TensorBoard, a progress bar."""
+"""Run outputs on rank 0: metrics.jsonl (one flat object per step), TensorBoard, Weights & Biases, a
+progress bar."""
 
 import json
 import time
@@ -10,7 +11,8 @@ BAR_KEYS = ("train/loss", "val/loss", "val/accuracy", "rollout/reward_mean", "tr
 
 class RunLogger:
     def __init__(self, run_dir: str | Path, total_steps: int, start_step: int = 0, enabled: bool = True,
-                 tensorboard: bool = True, progress: bool = True, desc: str = "train"):
+                 tensorboard: bool = True, progress: bool = True, desc: str = "train", wandb: dict | None = None):
+        """wandb: wandb.init's project, name, entity, mode and config (None: no W&B)."""
         self.enabled = enabled
         self.last: dict = {}
         if not enabled:
@@ -23,6 +25,7 @@ class RunLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self.wandb = _start_wandb(self.run_dir, wandb) if wandb else None
         self.bar = None
         if progress:
             from tqdm import tqdm
@@ -43,6 +46,8 @@ class RunLogger:
             for k, v in row.items():
                 if k != "step":
                     self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=step)
         if self.bar is not None:
             shown = {k.split("/")[-1] if k.startswith("train/") else k: f"{self.last[k]:.4g}"
                      for k in BAR_KEYS if k in self.last}
@@ -64,7 +69,20 @@ class RunLogger:
             self.bar.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
         self.metrics.close()
+
+
+def _start_wandb(run_dir: Path, settings: dict):
+    """A W&B run for this run directory: its id is kept in <run_dir>/wandb_id, so a resumed run
+    continues the same W&B run."""
+    import wandb
+
+    id_file = run_dir / "wandb_id"
+    run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+    id_file.write_text(run_id + "\n")
+    return wandb.init(dir=str(run_dir), id=run_id, resume="allow", **settings)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

@@ -8,6 +8,7 @@ SLURM_NODELIST), or a plain single process.
 
 import os
 import re
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,18 @@ import torch.distributed as dist
 def has_cuda() -> bool:
     return torch.cuda.is_available()
 
+
+# Known warnings the user cannot act on, silenced here and only here (every other warning prints):
+# megatron-core saying at import that it falls back to torch where Transformer Engine or apex is
+# absent (the CPU, GPUs without the extras); its advice to set CUDA_DEVICE_MAX_CONNECTIONS, which
+# check_cuda_connections gives where it applies (Ampere, Hopper; never the CPU); and torch
+# deprecating collectives megatron-core calls (all_gather_into_tensor, reduce_scatter_tensor).
+for _message, _module in ((r"Transformer Engine and Apex are not installed", r"megatron\.core"),
+                          (r"Apex is not installed", r"megatron\.core"),
+                          (r"Transformer Engine is not installed", r"megatron\.core"),
+                          (r".*recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS", r"megatron\.core"),
+                          (r"`torch\.distributed\.\w+` is deprecated", r"torch\.distributed")):
+    warnings.filterwarnings("ignore", message=_message, module=_module + r"(\.|$)")
 
 # Before any megatron.core import anywhere, so every megatron module is patched as it loads.
 from . import fixes as _fixes
@@ -135,6 +148,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def check_cuda_connections(tp: int, cp: int, env=os.environ) -> str | None:
+    """The warning to print when tensor or context parallelism runs on Ampere or Hopper without
+    CUDA_DEVICE_MAX_CONNECTIONS=1 (megatron-core then cannot order its communication before the
+    compute it overlaps with); None elsewhere (the CPU, Blackwell, where it should stay unset)."""
+    if not has_cuda() or max(tp, cp) == 1 or env.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        return None
+    major = torch.cuda.get_device_capability()[0]
+    if major not in (8, 9):
+        return None
+    return (f"warning: CUDA_DEVICE_MAX_CONNECTIONS is not 1 with tp={tp} cp={cp} on compute capability {major}.x "
+            "(Ampere/Hopper): communication overlap suffers; export CUDA_DEVICE_MAX_CONNECTIONS=1 (slurm/env.sh does)")
 
 
 def device() -> torch.device:

@@ -20,12 +20,14 @@ def start_log(cfg: Config, run_dir: Path, step: int, resumed_from=None):
     from megatron_rl.logging import RunLogger
     from megatron_rl.profiling import Profiler
 
-    log = RunLogger(run_dir, cfg.train.max_steps, step, enabled=dist.get_rank() == 0,
-                    tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
-                    desc=cfg.recipe or cfg.algorithm.name)
+    g = cfg.logging
+    wandb = dict(project=g.wandb_project, name=g.wandb_run or Path(run_dir).name, entity=g.wandb_entity or None,
+                 mode=g.wandb_mode, config=cfg.to_dict()) if g.wandb_project else None
+    log = RunLogger(run_dir, cfg.train.max_steps, step, enabled=dist.get_rank() == 0, tensorboard=g.tensorboard,
+                    progress=g.progress, desc=cfg.recipe or cfg.algorithm.name, wandb=wandb)
     if resumed_from is not None:
         log.write(f"resumed from {resumed_from} at step {step}")
-    return log, Profiler(cfg.profiling.nvtx, cfg.profiling.nsys_start, cfg.profiling.nsys_end)
+    return log, Profiler(cfg.profiling, dist.get_rank(), run_dir)
 
 
 def train_step(trainee, micro: list[dict], loss_fn) -> tuple[dict, float]:
@@ -63,14 +65,18 @@ def save_if_due(cfg: Config, trainee, run_dir: Path, step: int, last: bool, data
                            assets=assets)
 
 
-def finish(cfg: Config, trainee, run_dir: Path, assets, log, metrics: dict, plot: list[str] = ()) -> dict:
-    """Export to HF if asked, plot `plot` metrics, close the log; the final metrics (rank 0's)."""
+def finish(cfg: Config, trainee, run_dir: Path, assets, log, prof, metrics: dict, plot: list[str] = ()) -> dict:
+    """Close the profiling window, export to HF if asked, plot `plot` metrics, print the time per
+    phase, close the log; the final metrics (rank 0's)."""
     from megatron_rl.hf import export_hf
     from megatron_rl.logging import plot_metrics
+
+    prof.stop()
 
     if cfg.checkpoint.export_hf:
         log.write(f"wrote {export_hf(trainee.model, cfg.model, run_dir / 'hf', assets=assets, overwrite=True)}")
     if plot and dist.get_rank() == 0:
         log.write(f"plot: {plot_metrics(run_dir, list(plot))}")
+    log.write("time per phase (rank 0):\n" + prof.table())
     log.close()
     return log.last if dist.get_rank() == 0 else metrics

@@ -1,6 +1,5 @@
 """Model, optimizer and LR schedule from a Config: the one place a parallel layout becomes modules."""
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -42,14 +41,11 @@ def build_model(cfg: Config, wrap_ddp: bool = True, meta: bool = False):
     from megatron.core.transformer.module import Float16Module
 
     from model_providers import get_family
-    from model_providers.builder import Provider, te_available
+    from model_providers.builder import Provider
 
     dtype = compute_dtype(cfg)
     get_family(cfg.model.family)  # an unknown family is a clear error before anything is built
-    provider = Provider(cfg.model, cfg.parallel, dtype, fp8=cfg.train.fp8, recompute=cfg.train.recompute)
-    if cfg.train.fp8 != "off" and not te_available():
-        warnings.warn(f"train.fp8={cfg.train.fp8} needs Transformer Engine, which is not installed: GEMMs run in "
-                      f"{str(dtype).removeprefix('torch.')}.", stacklevel=2)
+    provider = Provider(cfg.model, cfg.parallel, dtype, fp8=cfg.fp8, recompute=cfg.train.recompute)
     tconfig = provider.transformer_config()
     if meta:  # initialization on the meta device is free, and it marks which weights TP shards
         tconfig.use_cpu_initialization = True
