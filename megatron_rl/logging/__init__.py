@@ -77,10 +77,12 @@ class RunLogger:
 def _start_wandb(run_dir: Path, settings: dict):
     """A W&B run for this run directory: its id is kept in <run_dir>/wandb_id, so a resumed run
     continues the same W&B run."""
+    import uuid
+
     import wandb
 
     id_file = run_dir / "wandb_id"
-    run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+    run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
     id_file.write_text(run_id + "\n")
     return wandb.init(dir=str(run_dir), id=run_id, resume="allow", **settings)
 
