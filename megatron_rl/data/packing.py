@@ -3,9 +3,9 @@
 Unpacked, every sample is padded to data.seq_length and the model computes the padding too. Packed,
 a microbatch of b samples (rows of a (b, S) batch, each left-aligned, then padding) is fed as one
 row of T tokens: each sample's first L_i tokens, L_i its length (rounded up to `multiple`: context
-parallelism splits each sample), one after another, then filler up to a multiple of
-`total_multiple` (or to a fixed `total`: pipeline stages exchange fixed shapes). cu_seqlens tell attention where each sample starts, so none sees another, and
-rotary embeddings restart their positions per sample. The model's output at the packed positions is
+parallelism splits each sample), one after another, then filler up to a multiple of `total_multiple`
+(or to a fixed `total`: pipeline stages exchange fixed shapes). cu_seqlens tell attention where each
+sample starts, so none sees another, and rotary embeddings restart their positions per sample. The model's output at the packed positions is
 put back into the samples' (b, W) grid (W: the longest L_i, at most S), so loss functions see the
 unpacked layout and every per-sequence quantity stays per sequence.
 

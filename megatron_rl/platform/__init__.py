@@ -96,7 +96,8 @@ def _expand_host(pattern: str, nodelist: str) -> list[str]:
                               "rising range such as 001-004")
         lo, hi, width = int(m.group(1)), int(m.group(2) or m.group(1)), len(m.group(1))
         numbers += [str(i).zfill(width) for i in range(lo, hi + 1)]
-    return [head + n + t for n in numbers for t in _expand_host(tail, nodelist)] if tail else [head + n for n in numbers]
+    tails = _expand_host(tail, nodelist) if tail else [""]  # expanded once, not once per number
+    return [head + n + t for n in numbers for t in tails]
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
