@@ -1,0 +1,22 @@
+"""The configuration tree a recipe fills, and `section.field=value` overrides.
+
+Every component owns one dataclass, one module per section; `Config` (tree.py) holds them all.
+Validation raises `ConfigError` with one sentence saying what is wrong and how to fix it; it never
+rewrites a value.
+"""
+
+from .algorithm import AlgorithmConfig
+from .base import ConfigError
+from .data import DataConfig
+from .model import ModelConfig
+from .optimizer import OptimizerConfig, SchedulerConfig
+from .overrides import MOVED, all_keys, apply_overrides, from_dict
+from .parallel import ParallelConfig
+from .rollout import RewardsConfig, RolloutConfig
+from .run import CheckpointConfig, LoggingConfig, ProfilingConfig
+from .train import FP8Config, TrainConfig
+from .tree import Config
+
+__all__ = ["AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "FP8Config", "LoggingConfig",
+           "MOVED", "ModelConfig", "OptimizerConfig", "ParallelConfig", "ProfilingConfig", "RewardsConfig",
+           "RolloutConfig", "SchedulerConfig", "TrainConfig", "all_keys", "apply_overrides", "from_dict"]

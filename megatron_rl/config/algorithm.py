@@ -1,0 +1,78 @@
+"""The algorithm section: GRPO and its family, DPO, reward models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    name: str = "sft"
+    """Which loop in megatron_rl/algorithms/ runs: sft, grpo, dpo or rm (reward model)."""
+    early_stop_patience: int = 0
+    """SFT: stop after this many evaluations without a better val/loss; 0 means never stop early."""
+    prompts_per_step: int = 32
+    """GRPO: prompts per step over all data-parallel ranks; each gets rollout.n samples."""
+    minibatches: int = 1
+    """GRPO: optimizer steps per rollout batch per epoch (the batch is split into this many)."""
+    router_replay: bool = False
+    """GRPO with MoE: the experts each token was routed to in the rollout are used in the old-policy,
+    reference and training forwards and the backward (R3); off: their mismatch is measured."""
+    epochs: int = 1
+    """GRPO: passes over each rollout batch; the rollout-time policy stays the old policy."""
+    clip_low: float = 0.2
+    """GRPO: the ratio is clipped to [1 - clip_low, 1 + clip_high]."""
+    clip_high: float = 0.2
+    kl_coef: float = 0.0
+    """GRPO: weight of the KL penalty to the reference (the initial policy); 0 turns it and the
+    reference model off."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    baseline: Literal["mean", "loo"] = "mean"
+    """GRPO advantage baseline: the group mean, or leave-one-out (the mean of the other samples)."""
+    std_normalization: Literal["group", "batch", "none"] = "group"
+    """GRPO: divide advantages by the group's reward std, the whole batch's, or not at all."""
+    advantage_estimator: Literal["grpo", "gdpo"] = "grpo"
+    """gdpo: each named reward component normalized within its group, weighted (rewards.weights),
+    summed, then normalized over the batch (needs a reward function returning components)."""
+    policy_loss: Literal["ppo", "cispo"] = "ppo"
+    """ppo: the clipped surrogate. cispo: the clipped importance weight as a stop-gradient
+    coefficient on the log-probability (MiniMax-M1), so clipped tokens still learn."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """sequence: one importance ratio per sequence, the geometric mean of its token ratios (GSPO);
+    clip_low/clip_high then clip that ratio (GSPO uses about 3e-4 / 4e-4)."""
+    dual_clip: float = 0.0
+    """PPO dual clip: for negative advantages the objective is bounded below by dual_clip x A
+    (> 1, e.g. 3); 0 turns it off."""
+    loss_aggregation: Literal["token", "sequence", "constant"] = "token"
+    """token: mean over all tokens of the global batch (DAPO). sequence: mean over each sequence's
+    tokens, then over sequences (GRPO). constant: token sum / (sequences x rollout.max_new_tokens)
+    (Dr. GRPO, with std_normalization=none)."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and sample more prompts until the batch is full."""
+    dynamic_sampling_rounds: int = 4
+    """Extra sampling rounds at most per step; a batch still short is filled with dropped groups."""
+    mismatch_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
+    """Weight each token's loss by p_train / p_rollout of the sampled tokens (per token or per
+    sequence), truncated at mismatch_threshold or masked outside [1/threshold, threshold]."""
+    mismatch_threshold: float = 2.0
+    beta: float = 0.1
+    """DPO: the strength of the implicit KL constraint to the reference (TRL's beta)."""
+    preference_loss: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
+    """DPO: sigmoid -log s(beta x) (Rafailov et al.), ipo (x - 1/(2 beta))^2 on per-token mean
+    log-ratios (Azar et al.), or hinge max(0, 1 - beta x) (SLiC); x is the chosen minus the
+    rejected log-ratio to the reference."""
+    label_smoothing: float = 0.0
+    """DPO sigmoid loss: the assumed share of flipped labels e (conservative DPO):
+    -(1 - e) log s(beta x) - e log s(-beta x)."""
+    average_logprobs: Optional[bool] = None
+    """DPO: log-ratios as per-token means over the response instead of sums; unset (none) means
+    true for ipo and false otherwise."""
+    sft_loss_weight: float = 0.0
+    """DPO: add this times the mean NLL of the chosen responses' tokens (TRL's rpo_alpha)."""
+    precompute_reference: bool = False
+    """DPO: compute the reference log-probs of every pair once before training (cached in the run
+    directory) and free the reference model."""
+    center_rewards_coefficient: float = 0.0
+    """Reward model: add this times mean((r_c + r_r)^2), keeping scores centered at 0 (TRL's;
+    0.01 is a common value)."""

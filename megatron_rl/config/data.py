@@ -1,0 +1,70 @@
+"""The data section: datasets, tokenizer, batch shapes, packing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .base import ConfigError, positive
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    task: str = "arithmetic"
+    """A built-in synthetic task ('arithmetic'), or '' to read train_path/val_path."""
+    train_path: str = ""
+    """JSONL with {"prompt", "response"} or {"messages": [...]} rows."""
+    val_path: str = ""
+    tokenizer: str = ""
+    """A Hugging Face tokenizer directory; empty means model.hf_path's, else the task's own (built locally)."""
+    pad_token: str = ""
+    """The tokenizer's pad token: empty keeps its own (eos when it has none), 'eos' pads with eos,
+    anything else names a token. A reward model reads its score at the last token that is not the
+    pad token, so with 'eos' at the last response token (as transformers does for such models)."""
+    seq_length: int = 32
+    """Tokens per sample after padding; longer samples are refused with their row number."""
+    micro_batch_size: int = 16
+    max_tokens_per_microbatch: int = 0
+    """Sequence packing (SFT, GRPO, DPO): each microbatch holds as many samples as fit this many
+    tokens, each padded only to a multiple of 16 (not to seq_length), in one row where no sample sees
+    another; 0 means micro_batch_size samples of seq_length tokens each."""
+    global_batch_size: int = 64
+    """Samples per optimizer step over all data-parallel ranks."""
+    num_train: int = 20000
+    """Samples to generate for a synthetic task's training split."""
+    num_val: int = 256
+    digits: int = 3
+    """Arithmetic task: maximum digits per operand."""
+    noise: float = 0.0
+    """Arithmetic task: share of training responses that are off by one (imperfect demonstrations);
+    the 'answer' field, which rewards check, and the validation split stay exact."""
+    seed: int = 0
+    """Seed for generating and shuffling data."""
+    negatives: dict[str, float] = field(default_factory=lambda: {"plus1": 1.0})
+    """Arithmetic task, DPO and reward models: the mix of rejected answers, kind:weight with kinds
+    plus1, minus1, plus10, minus10, random, and policy (wrong answers sampled from the starting
+    checkpoint, checkpoint.load)."""
+    negatives_from: str = ""
+    """The language model whose wrong samples are the 'policy' negatives: a checkpoint (or run
+    directory) or a Hugging Face directory; empty means checkpoint.load or model.hf_path."""
+    max_prompt_length: int = 0
+    """DPO and reward models: a longer prompt is cut to this many tokens (as truncation_mode
+    says); 0 means no limit of its own."""
+    max_completion_length: int = 0
+    """DPO and reward models: a longer response keeps its first this many tokens (its eos
+    included); 0 means no limit of its own."""
+    truncation_mode: Literal["keep_end", "keep_start"] = "keep_end"
+    """DPO and reward models, for a pair still longer than data.seq_length allows: keep_end drops
+    tokens from the start of the (shared) prompt, keep_start from the end of the responses.
+    Truncated pairs are counted in the log (data/truncated_pairs)."""
+
+    def validate(self, dp: int = 1, uses_global_batch: bool = True):
+        """uses_global_batch: SFT's batches; GRPO's come from algorithm.prompts_per_step x rollout.n."""
+        positive(self, "seq_length", "micro_batch_size", "global_batch_size")
+        if uses_global_batch and self.global_batch_size % (self.micro_batch_size * dp):
+            raise ConfigError(
+                f"data.global_batch_size={self.global_batch_size} is not divisible by data.micro_batch_size"
+                f" x data-parallel size = {self.micro_batch_size} x {dp}; make it a multiple of "
+                f"{self.micro_batch_size * dp}.")
+        if not self.task and not self.train_path:
+            raise ConfigError("set data.task to a built-in task or data.train_path to a JSONL file.")

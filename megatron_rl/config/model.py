@@ -1,0 +1,133 @@
+"""The model section: the architecture."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from .base import ConfigError, positive
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The architecture. A Hugging Face checkpoint fills it through its family's provider
+    (model.hf_path); recipes that train from scratch set it directly."""
+
+    family: str = "llama"
+    """Model family in model_providers/: llama, qwen, mixtral, deepseek, nemotron."""
+    num_layers: int = 2
+    hidden_size: int = 64
+    ffn_hidden_size: int = 256
+    """Hidden size of dense MLPs."""
+    num_attention_heads: int = 4
+    num_query_groups: int = 0
+    """Key/value heads for GQA; 0 means as many as attention heads (plain multi-head attention)."""
+    head_dim: int = 0
+    """Channels per head; 0 means hidden_size // num_attention_heads."""
+    vocab_size: int = 0
+    """0 means take it from the tokenizer. Padded internally to a multiple of 128."""
+    max_position_embeddings: int = 4096
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    zero_centered_gamma: bool = False
+    """Norm weights stored as gamma - 1 (Nemotron's LayerNorm1P)."""
+    norm_epsilon: float = 1e-6
+    activation: Literal["swiglu", "squared_relu", "gelu", "silu"] = "swiglu"
+    """MLP activation; swiglu is the gated SiLU (gate and up projections)."""
+    tie_embeddings: bool = False
+    qk_layernorm: bool = False
+    """RMSNorm on queries and keys per head (Qwen3); with MLA, the norms of the compressed q and kv."""
+    qkv_bias: bool = False
+    """Bias on the query/key/value projection (Qwen2)."""
+    sliding_window: int = 0
+    """Attend to at most this many most recent tokens (Mistral); 0 means full causal attention."""
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    """Share of each head's channels that get rotary embeddings (Nemotron: 0.5)."""
+    rope_scaling: Literal["none", "llama3", "yarn"] = "none"
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    """llama3 rope scaling."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 rope scaling."""
+    rope_original_max_position: int = 8192
+    """llama3 and yarn rope scaling: the context length the model was pretrained at."""
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    multi_latent_attention: bool = False
+    """DeepSeek's multi-latent attention (MLA); the q/kv sizes below apply."""
+    q_lora_rank: int = 0
+    """MLA: rank of the compressed query; 0 means queries are not compressed."""
+    kv_lora_rank: int = 0
+    qk_head_dim: int = 0
+    """MLA: query/key channels per head without rotary embedding."""
+    qk_pos_head_dim: int = 0
+    """MLA: query/key channels per head with rotary embedding."""
+    v_head_dim: int = 0
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0 means a dense model."""
+    moe_ffn_hidden_size: int = 0
+    moe_shared_ffn_hidden_size: int = 0
+    """Hidden size of the shared experts (all of them together); 0 means none."""
+    moe_first_dense_layers: int = 0
+    """The first N layers are dense (DeepSeek's first_k_dense_replace)."""
+    moe_topk: int = 2
+    moe_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    moe_pre_softmax: bool = False
+    """Softmax over all experts, then top-k, without renormalizing; false: softmax over the top-k."""
+    moe_expert_bias: bool = False
+    """A per-expert bias added to the scores for choosing experts only (DeepSeek-V3)."""
+    moe_expert_bias_update_rate: float = 0.0
+    """How fast training moves that bias toward balanced load; 0 keeps it fixed (the RL default)."""
+    moe_num_groups: int = 0
+    """Group-limited routing: experts in this many groups, tokens routed within moe_group_topk of them."""
+    moe_group_topk: int = 0
+    moe_topk_scaling_factor: float = 1.0
+    """Routing weights are multiplied by this (DeepSeek-V3: 2.5)."""
+    moe_aux_loss_type: Literal["none", "aux_loss", "seq_aux_loss", "global_aux_loss"] = "none"
+    moe_aux_loss_coeff: float = 0.0
+    moe_router_dtype: Literal["fp32", "fp64", "model"] = "fp32"
+    """Precision of the router's logits and probabilities; 'model' uses the model's dtype."""
+    moe_capacity_factor: float = 0.0
+    """Tokens per expert are capped at this factor times the even share; 0 means no dropping."""
+    moe_dispatcher: Literal["allgather", "alltoall"] = "allgather"
+    init_method_std: float = 0.02
+    hf_path: str = ""
+    """A Hugging Face checkpoint directory: its config.json sets this section and its weights
+    are loaded at the start (see tools/convert_checkpoint.py)."""
+    head: Literal["lm", "score"] = "lm"
+    """What sits on the last layer: the vocabulary output layer ('lm'), or one scalar per token
+    ('score': a reward model, algorithm.name=rm; embeddings are then untied). A score model
+    started from a language model drops its output layer and gets a fresh head."""
+
+    def validate(self):
+        positive(self, "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
+        groups = self.num_query_groups or self.num_attention_heads
+        if self.num_attention_heads % groups:
+            raise ConfigError(
+                f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"model.num_query_groups={groups}; pick a number of key/value heads that divides it.")
+        if not self.head_dim and self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"model.hidden_size={self.hidden_size} is not divisible by model.num_attention_heads="
+                f"{self.num_attention_heads}; set model.head_dim explicitly or change the sizes.")
+        if self.num_experts:
+            positive(self, "moe_ffn_hidden_size", "moe_topk")
+            if self.moe_topk > self.num_experts:
+                raise ConfigError(f"model.moe_topk={self.moe_topk} exceeds model.num_experts={self.num_experts}.")
+            if self.moe_num_groups and self.num_experts % self.moe_num_groups:
+                raise ConfigError(f"model.num_experts={self.num_experts} is not divisible by "
+                                  f"model.moe_num_groups={self.moe_num_groups}.")
+        if self.multi_latent_attention:
+            positive(self, "kv_lora_rank", "qk_head_dim", "qk_pos_head_dim", "v_head_dim")
+
+    TRAINING_CHOICES: ClassVar[tuple[str, ...]] = (
+        "hf_path", "head", "init_method_std", "moe_aux_loss_type", "moe_aux_loss_coeff", "moe_expert_bias_update_rate",
+        "moe_router_dtype", "moe_capacity_factor", "moe_dispatcher")
+    """Fields that are choices of a training run rather than of the architecture: a checkpoint or HF
+    model does not fix them."""
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether (0-based) layer `layer` has routed experts."""
+        return bool(self.num_experts) and layer >= self.moe_first_dense_layers

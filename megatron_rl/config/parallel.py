@@ -1,0 +1,84 @@
+"""The parallel section: how ranks split the model and the data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import ConfigError, positive
+from .model import ModelConfig
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    tp: int = 1
+    """Tensor parallel size."""
+    pp: int = 1
+    """Pipeline parallel size."""
+    vpp: int = 1
+    """Model chunks per pipeline stage (virtual pipeline / interleaved 1F1B); 1 means off."""
+    cp: int = 1
+    """Context parallel size."""
+    ep: int = 1
+    """Expert parallel size (MoE): experts are split over this many ranks of tp x cp x dp."""
+    etp: int = 0
+    """Tensor parallel size inside each expert; 0 means the same as tp."""
+    sp: bool = False
+    """Sequence parallel (needs tp > 1)."""
+    dp: int = 0
+    """Data parallel size; 0 means whatever the world size leaves after tp x pp x cp."""
+    first_stage_layers: int = 0
+    """Uneven pipeline: layers of the first stage (0: an even split); the middle stages share the rest."""
+    last_stage_layers: int = 0
+    """Uneven pipeline: layers of the last stage (0: an even split)."""
+
+    def validate(self, world_size: int, model: ModelConfig | None = None):
+        positive(self, "tp", "pp", "vpp", "cp", "ep")
+        model_parallel = self.tp * self.pp * self.cp
+        if world_size % model_parallel:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by tp x pp x cp = {self.tp} x {self.pp} x "
+                f"{self.cp} = {model_parallel}; launch a multiple of {model_parallel} processes "
+                f"(torchrun --nproc_per_node N) or change parallel.tp/pp/cp.")
+        dp = world_size // model_parallel
+        if self.dp and self.dp != dp:
+            raise ConfigError(
+                f"parallel.dp={self.dp} but world size {world_size} / (tp x pp x cp = {model_parallel}) "
+                f"= {dp}; launch {self.dp * model_parallel} processes or set parallel.dp={dp} (or 0).")
+        if self.sp and self.tp == 1:
+            raise ConfigError("parallel.sp=true needs parallel.tp > 1; set parallel.sp=false or raise tp.")
+        if self.vpp > 1 and self.pp == 1:
+            raise ConfigError("parallel.vpp > 1 needs parallel.pp > 1 (it splits each pipeline stage).")
+        expert_tp = self.etp or self.tp
+        if (self.tp * self.cp * dp) % (self.ep * expert_tp):
+            raise ConfigError(
+                f"parallel.ep x expert tensor parallel = {self.ep} x {expert_tp} must divide tp x cp x dp = "
+                f"{self.tp * self.cp * dp}; lower parallel.ep/etp or launch more processes.")
+        if model is None:
+            return
+        if model.num_experts and self.tp > 1 and not self.sp:
+            raise ConfigError("an MoE model with parallel.tp > 1 needs parallel.sp=true (megatron-core requires "
+                              "sequence parallelism with experts and tensor parallelism).")
+        if self.ep > 1 and (not model.num_experts or model.num_experts % self.ep):
+            raise ConfigError(
+                f"parallel.ep={self.ep} needs model.num_experts ({model.num_experts}) to be a multiple of it.")
+        groups = model.num_query_groups or model.num_attention_heads
+        for what, n in (("num_attention_heads", model.num_attention_heads),
+                        ("num_query_groups", groups), ("ffn_hidden_size", model.ffn_hidden_size)):
+            if n % self.tp:
+                raise ConfigError(
+                    f"model.{what}={n} is not divisible by parallel.tp={self.tp}; choose a tp that divides it.")
+        if self.first_stage_layers or self.last_stage_layers:
+            middle = self.pp - bool(self.first_stage_layers) - bool(self.last_stage_layers)
+            rest = model.num_layers - self.first_stage_layers - self.last_stage_layers
+            if self.vpp > 1 or middle < 0 or rest < 0 or (rest % middle if middle else rest):
+                raise ConfigError(
+                    f"parallel.first_stage_layers={self.first_stage_layers} and last_stage_layers="
+                    f"{self.last_stage_layers} must leave the other {model.num_layers} - those layers evenly to the "
+                    f"{middle} middle stages of parallel.pp={self.pp} (and parallel.vpp=1).")
+        elif model.num_layers % (self.pp * self.vpp):
+            raise ConfigError(
+                f"model.num_layers={model.num_layers} is not divisible by parallel.pp x parallel.vpp = "
+                f"{self.pp} x {self.vpp}; choose a layout whose stages get whole layers.")
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size // (self.tp * self.pp * self.cp)

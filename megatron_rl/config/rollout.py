@@ -1,0 +1,62 @@
+"""The rollout and rewards sections: generation and how samples are scored."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .base import ConfigError, positive
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """Generation with megatron-core's dynamic inference engine on the training model."""
+
+    n: int = 8
+    """Samples per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    top_p: float = 0.0
+    """Nucleus sampling; 0 turns it off. Cannot be combined with top_k."""
+    top_k: int = 0
+    """Sample among the k most likely tokens; 0 turns it off."""
+    max_new_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    """Stop strings (comma-separated on the command line); eos always stops."""
+    seed: int = 0
+    """Sampling seed; step s of a run samples with seed + s (and the data-parallel rank)."""
+    max_sequence_length: int = 256
+    """Longest prompt + completion the engine's KV cache takes."""
+    max_requests: int = 512
+    """Requests decoded together (continuous batching); more wait for a free slot."""
+    max_tokens: int = 8192
+    """Tokens per engine step (prefill chunks included)."""
+    kv_cache_gb: float = 0.25
+    block_size_tokens: int = 32
+    """KV cache block size (paged attention)."""
+
+    def validate(self):
+        positive(self, "n", "max_new_tokens", "max_requests", "max_tokens", "block_size_tokens")
+        if self.top_k and self.top_p:
+            raise ConfigError("rollout.top_k and rollout.top_p cannot both be set; pick one (0 turns one off).")
+        if not 0.0 <= self.top_p <= 1.0 or self.temperature <= 0:
+            raise ConfigError("rollout.top_p must be in [0, 1] and rollout.temperature positive.")
+
+
+@dataclass(kw_only=True)
+class RewardsConfig:
+    fn: str = "exact_match"
+    """'exact_match', 'math' (math-verify) or 'package.module:function' (see megatron_rl/rewards)."""
+    timeout_s: float = 10.0
+    """A sample whose scoring takes longer gets reward 0 (counted in rollout/reward_failures)."""
+    workers: int = 1
+    """Worker processes that score samples."""
+    weights: dict[str, float] = field(default_factory=dict)
+    """Weights of named reward components (name:weight,... on the command line); unnamed ones weigh 1."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong penalty: completions longer than rollout.max_new_tokens minus this many
+    tokens lose up to overlong_penalty, linearly; 0 turns it off."""
+    overlong_penalty: float = 1.0
+    model: str = ""
+    """rewards.fn=reward_model: a reward model, our checkpoint (algorithm.name=rm) or a Hugging
+    Face *ForSequenceClassification directory; it runs in the policy's parallel layout."""
+    val_fn: str = ""
+    """The reward of validation (val/accuracy, val/reward_mean); empty means rewards.fn."""

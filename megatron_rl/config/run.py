@@ -1,0 +1,62 @@
+"""The checkpoint, logging and profiling sections: what a run writes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    save_every: int = 0
+    """Save every N steps (and always at the end); 0 means only at the end."""
+    resume: bool = False
+    """Continue from the latest complete checkpoint in the run directory."""
+    load: str = ""
+    """Start from the model weights of this checkpoint directory (any TP/PP layout), or of the
+    latest checkpoint of this run directory."""
+    save: bool = True
+    keep: int = 2
+    """How many recent checkpoints to keep; 0 keeps all."""
+    export_hf: bool = False
+    """At the end, also write the model as a Hugging Face directory to <run_dir>/hf."""
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    run_dir: str = ""
+    """Where outputs go; empty means runs/<recipe>."""
+    tensorboard: bool = True
+    progress: bool = True
+    """A progress bar with ETA on the console of rank 0."""
+    wandb_project: str = ""
+    """Weights & Biases project to log to (empty: off). Needs `pip install wandb`."""
+    wandb_run: str = ""
+    """The W&B run's name (empty: the run directory's name)."""
+    wandb_entity: str = ""
+    """W&B team or user (empty: your default)."""
+    wandb_mode: Literal["online", "offline"] = "online"
+    """offline writes the run under <run_dir>/wandb for a later `wandb sync`."""
+
+
+@dataclass(kw_only=True)
+class ProfilingConfig:
+    nvtx: bool = False
+    """Wrap phases in nvtx ranges (for nsys)."""
+    nsys_start: int = -1
+    """First step of the profiling window: torch.cuda.profiler capture starts there (run under `nsys
+    --capture-range=cudaProfilerApi --capture-range-end=stop`), and the torch profiler records."""
+    nsys_end: int = -1
+    """The step where the window closes (-1: one step after nsys_start)."""
+    ranks: list[int] = field(default_factory=lambda: [0])
+    """The ranks that profile (the others run unprofiled)."""
+    torch_profiler: bool = False
+    """Record the window with torch.profiler into <run_dir>/profile/*.pt.trace.json (TensorBoard and
+    Chrome/Perfetto open it), on any device; without a window, step 1 (after a warm-up step)."""
+
+    def window(self) -> tuple[int, int]:
+        """[start, end) of the profiling window in steps; (-1, -1) when nothing is profiled."""
+        start = self.nsys_start if self.nsys_start >= 0 else (1 if self.torch_profiler else -1)
+        if start < 0:
+            return -1, -1
+        return start, self.nsys_end if self.nsys_end > start else start + 1

@@ -1,0 +1,174 @@
+"""The whole configuration tree: one section each, and what is checked across sections."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+from .algorithm import AlgorithmConfig
+from .base import ConfigError, positive
+from .data import DataConfig
+from .model import ModelConfig
+from .optimizer import OptimizerConfig, SchedulerConfig
+from .parallel import ParallelConfig
+from .rollout import RewardsConfig, RolloutConfig
+from .run import CheckpointConfig, LoggingConfig, ProfilingConfig
+from .train import FP8Config, TrainConfig
+
+
+@dataclass(kw_only=True)
+class Config:
+    recipe: str = ""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    fp8: FP8Config = field(default_factory=FP8Config)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+
+    def validate(self, world_size: int = 1):
+        """Check everything that can be checked before a model is built."""
+        self.model.validate()
+        self.parallel.validate(world_size, self.model)
+        self.optimizer.validate()
+        self.data.validate(self.parallel.data_parallel_size(world_size), uses_global_batch=self.algorithm.name != "grpo")
+        self._validate_heads_and_rewards()
+        self.fp8.validate()
+        p = self.parallel
+        split = (2 * p.cp if p.cp > 1 else 1) * (p.tp if p.sp else 1)
+        if self.data.seq_length % split:
+            raise ConfigError(
+                f"data.seq_length={self.data.seq_length} must be divisible by {split}: 2 chunks per context-parallel "
+                f"rank times tp with sequence parallelism; change data.seq_length or parallel.cp/tp.")
+        self._validate_packing()
+        if self.algorithm.name == "grpo":
+            self._validate_grpo(self.parallel.data_parallel_size(world_size))
+        if self.algorithm.name == "dpo":
+            self._validate_dpo()
+        positive(self.train, "max_steps")
+        if self.train.threads < 0:
+            raise ConfigError(f"train.threads={self.train.threads} must be >= 0 (0: torch's default).")
+        if self.train.eval_every < 0 or self.checkpoint.save_every < 0:
+            raise ConfigError("train.eval_every and checkpoint.save_every must be >= 0 (0 means at the end only).")
+        if self.logging.wandb_project:
+            import importlib.util
+
+            if importlib.util.find_spec("wandb") is None:
+                raise ConfigError("logging.wandb_project needs Weights & Biases: pip install wandb (or pip install -e "
+                                  "'.[wandb]'), or leave logging.wandb_project empty.")
+        return self
+
+    def _validate_grpo(self, dp: int):
+        a, r = self.algorithm, self.rollout
+        r.validate()
+        positive(a, "prompts_per_step", "minibatches", "epochs")
+        samples = a.prompts_per_step * r.n
+        if a.prompts_per_step % dp or samples % (a.minibatches * self.data.micro_batch_size * dp):
+            raise ConfigError(
+                f"algorithm.prompts_per_step x rollout.n = {samples} samples must split into algorithm.minibatches="
+                f"{a.minibatches} minibatches of whole microbatches (data.micro_batch_size={self.data.micro_batch_size})"
+                f" on each of {dp} data-parallel ranks, and prompts_per_step into the ranks; adjust them.")
+        if r.max_sequence_length < self.data.seq_length + 1:
+            raise ConfigError(f"rollout.max_sequence_length={r.max_sequence_length} must exceed data.seq_length="
+                              f"{self.data.seq_length} (the training length of prompt + completion).")
+        if a.policy_loss == "cispo" and a.ratio_level == "sequence":
+            raise ConfigError("algorithm.policy_loss=cispo weights each token's log-probability by its own ratio; it "
+                              "has no sequence-level ratio: set algorithm.ratio_level=token (or policy_loss=ppo for GSPO).")
+        if a.dual_clip and (a.policy_loss == "cispo" or a.dual_clip <= 1):
+            raise ConfigError(f"algorithm.dual_clip={a.dual_clip} must be > 1 and needs algorithm.policy_loss=ppo; "
+                              f"set it to 0 to turn it off.")
+        if a.ratio_level == "sequence" and a.loss_aggregation != "sequence":
+            raise ConfigError("algorithm.ratio_level=sequence (GSPO) gives one loss per sequence: set "
+                              "algorithm.loss_aggregation=sequence.")
+        if a.ratio_level == "sequence" and a.mismatch_correction.startswith("token"):
+            raise ConfigError("a sequence-level ratio (GSPO) needs a sequence-level mismatch correction: use "
+                              "algorithm.mismatch_correction=sequence_truncate or sequence_mask.")
+        if a.router_replay and not self.model.num_experts:
+            raise ConfigError("algorithm.router_replay=true needs an MoE model (model.num_experts > 0).")
+        if self.parallel.cp > 1 and (a.ratio_level == "sequence" or a.mismatch_correction.startswith("sequence")):
+            raise ConfigError("sequence-level ratios (algorithm.ratio_level=sequence, sequence mismatch corrections) "
+                              "need each sequence whole on one rank; use parallel.cp=1 with them.")
+        if a.advantage_estimator == "gdpo" and a.baseline != "mean":
+            raise ConfigError("algorithm.advantage_estimator=gdpo normalizes each component by its group mean and std; "
+                              "set algorithm.baseline=mean.")
+        if a.mismatch_threshold <= 1:
+            raise ConfigError(f"algorithm.mismatch_threshold={a.mismatch_threshold} must be > 1.")
+        if not 0 <= self.rewards.overlong_buffer < r.max_new_tokens:
+            raise ConfigError(f"rewards.overlong_buffer={self.rewards.overlong_buffer} must be in [0, "
+                              f"rollout.max_new_tokens={r.max_new_tokens}).")
+
+    def _validate_packing(self):
+        budget, p = self.data.max_tokens_per_microbatch, self.parallel
+        if not budget:
+            return
+        if self.algorithm.name == "rm":
+            raise ConfigError("data.max_tokens_per_microbatch packs SFT, GRPO and DPO microbatches; reward models are "
+                              "not packed yet: set it to 0 with algorithm.name=rm.")
+        longest = -(-self.data.seq_length // 16) * 16 * (2 if self.algorithm.name == "dpo" else 1)
+        if budget < longest or budget % (p.tp if p.sp else 1):
+            raise ConfigError(f"data.max_tokens_per_microbatch={budget} must hold the longest sample ({longest} tokens: "
+                              f"data.seq_length rounded up to 16{', twice for a DPO pair' if self.algorithm.name == 'dpo' else ''})"
+                              f"{f' and be a multiple of tp={p.tp} (sequence parallelism)' if p.sp else ''}; raise it.")
+
+    def _validate_heads_and_rewards(self):
+        a, m, r = self.algorithm, self.model, self.rewards
+        if a.name == "rm" and m.head != "score":
+            raise ConfigError("algorithm.name=rm trains a scalar score head: set model.head=score.")
+        if a.name != "rm" and m.head != "lm":
+            raise ConfigError(f"algorithm.name={a.name} trains a language model, but model.head={m.head!r}: set "
+                              f"model.head=lm (a reward model is trained with algorithm.name=rm).")
+        if (r.fn == "reward_model") != bool(r.model):
+            raise ConfigError("rewards.fn=reward_model and rewards.model=PATH go together: set both (a reward-model "
+                              "checkpoint or HF *ForSequenceClassification directory) or neither.")
+        d = self.data
+        if min(d.max_prompt_length, d.max_completion_length) < 0:
+            raise ConfigError("data.max_prompt_length and data.max_completion_length must be >= 0 (0: no limit).")
+        if a.name in ("dpo", "rm") and d.task == "arithmetic":
+            from megatron_rl.data.arithmetic import NEGATIVES
+
+            unknown = sorted(set(d.negatives) - set(NEGATIVES))
+            if unknown or not d.negatives or min(d.negatives.values()) < 0 or not sum(d.negatives.values()):
+                raise ConfigError(f"data.negatives={d.negatives} must give non-negative weights (not all 0) to kinds "
+                                  f"among {', '.join(NEGATIVES)}.")
+            if "policy" in d.negatives and not (d.negatives_from or self.checkpoint.load or m.hf_path):
+                raise ConfigError("data.negatives has 'policy', wrong answers sampled from a language model: set "
+                                  "data.negatives_from (or checkpoint.load, or model.hf_path) to it.")
+
+    def _validate_dpo(self):
+        a = self.algorithm
+        if not (self.checkpoint.load or self.model.hf_path):
+            raise ConfigError("DPO starts from a policy, which is also its reference: set checkpoint.load or "
+                              "model.hf_path.")
+        if a.beta <= 0:
+            raise ConfigError(f"algorithm.beta={a.beta} must be positive (DPO's KL strength; 0.1 is usual).")
+        if a.preference_loss == "ipo" and a.average_logprobs is False:
+            raise ConfigError("algorithm.preference_loss=ipo is defined on per-token mean log-ratios; unset "
+                              "algorithm.average_logprobs (none) or set it to true.")
+        if not 0 <= a.label_smoothing < 0.5 or (a.label_smoothing and a.preference_loss != "sigmoid"):
+            raise ConfigError(f"algorithm.label_smoothing={a.label_smoothing} must be in [0, 0.5) and needs "
+                              f"algorithm.preference_loss=sigmoid.")
+        if a.sft_loss_weight < 0:
+            raise ConfigError(f"algorithm.sft_loss_weight={a.sft_loss_weight} must be >= 0.")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+def section_of(obj) -> str:
+    """The section name under which `obj`'s class sits in Config ('optimizer' for OptimizerConfig)."""
+    return _SECTION_OF.get(type(obj).__name__, type(obj).__name__)
+
+
+_SECTION_OF = {f.type if isinstance(f.type, str) else f.type.__name__: f.name
+               for f in dataclasses.fields(Config) if f.name != "recipe"}
