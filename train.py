@@ -24,11 +24,15 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_rl.config import ConfigError, apply_overrides
-    from recipes import get_recipe, list_recipes
+    from recipes import get_recipe, recipes_by_family
 
     if args.list_recipes:
-        for name, doc in list_recipes().items():
-            print(f"{name:28s} {doc}")
+        import textwrap
+
+        for family, recipes in recipes_by_family().items():
+            print(f"{family}:")
+            for name, doc in recipes.items():
+                print(textwrap.fill(doc, 120, initial_indent=f"  {name:28s} ", subsequent_indent=" " * 31))
         return 0
     if not args.recipe:
         print("error: give --recipe NAME (see --list-recipes)", file=sys.stderr)
@@ -48,9 +52,9 @@ def main(argv=None) -> int:
             cfg.model = resolve_model(cfg.model)
         cfg.validate(world_size=launch.world_size)
         if not args.print_config:
-            from megatron_rl.platform import fp8
+            from megatron_rl.platform.support import check_support
 
-            fp8.check_support(cfg.fp8)
+            check_support(cfg)
     except ConfigError as e:
         if launch.rank == 0:
             print(f"error: {e}", file=sys.stderr)

@@ -27,8 +27,15 @@ if python3 -c "import transformer_engine.pytorch" > /dev/null 2>&1; then
   timeout 240 python3 train.py --recipe tiny_grpo checkpoint.load= train.max_steps=2 train.precision=bf16 \
       fp8.format=hybrid fp8.recipe=tensorwise algorithm.mismatch_correction=token_truncate \
       logging.run_dir="$OUT/fp8" logging.progress=false > "$OUT/fp8.log" 2>&1
+  # The optimizer's memory settings (megatron's precision-aware optimizer and its CPU offload), two
+  # steps each: peak memory and the losses in $OUT/opt_*/metrics.jsonl.
+  for setting in "optimizer.state_dtype=bf16" "optimizer.cpu_offload=1"; do
+    timeout 120 python3 train.py --recipe tiny_sft train.max_steps=2 train.precision=bf16 optimizer.distributed=true \
+        "$setting" logging.run_dir="$OUT/opt_${setting#optimizer.}" logging.progress=false \
+        > "$OUT/opt_${setting#optimizer.}.log" 2>&1
+  done
 else
-  echo "no Transformer Engine on this machine: the FP8 step was not run" > "$OUT/fp8.log"
+  echo "no Transformer Engine on this machine: the FP8 and optimizer-memory steps were not run" > "$OUT/fp8.log"
 fi
 # GRPO against TRL's GRPOTrainer, both on the GPU in bf16 (TRL from the carried wheels); reports MFU.
 timeout 300 python3 bench/grpo_vs_trl.py --precision bf16 --trl-python python3 --threads 16 --steps 3 --repeats 2 \

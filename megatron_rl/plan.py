@@ -7,6 +7,8 @@ second for a 100B+ MoE. From them, per rank: bytes of weights, gradients and opt
 estimates of activations and the rollout KV cache, against the GPU's memory.
 """
 
+import dataclasses
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -14,9 +16,9 @@ import torch
 from megatron_rl import platform  # noqa: F401  (CPU stand-ins for megatron-core, before it is imported)
 from megatron_rl.config import Config
 
-GPUS = {"h100": 80, "h200": 141, "b200": 180, "gb200": 186}
+GPUS = {"a100": 80, "h100": 80, "h200": 141, "b200": 180, "gb200": 186}
 """GPU memory in GB (1e9 bytes) per device."""
-GPU_BF16_TFLOPS = {"h100": 989, "h200": 989, "b200": 2250, "gb200": 2500}
+GPU_BF16_TFLOPS = {"a100": 312, "h100": 989, "h200": 989, "b200": 2250, "gb200": 2500}
 """Dense bf16 peak per device, for the time a step's FLOPs take at a given utilization."""
 RUNTIME_RESERVE = 5e9
 """CUDA context, NCCL buffers and allocator fragmentation: a rule-of-thumb allowance per GPU."""
@@ -39,6 +41,7 @@ class StagePlan:
     activations: int
     kv_cache: int
     reserve: int = RUNTIME_RESERVE
+    host: int = 0  # bytes of optimizer state this rank keeps in host memory (optimizer.cpu_offload)
 
     @property
     def total(self) -> int:
@@ -67,6 +70,24 @@ class Plan:
 
 def _dtype_bytes(cfg: Config) -> int:
     return 4 if cfg.train.precision == "fp32" else 2  # 'auto' is bf16 on a GPU
+
+
+def optimizer_bytes_per_param(cfg: Config) -> tuple[float, float]:
+    """Optimizer state per parameter of a rank's shard: (in GPU memory, in host memory).
+
+    Adam keeps exp_avg and exp_avg_sq, and with low-precision weights an fp32 main copy: 12 bytes.
+    optimizer.state_dtype=bf16 (the precision-aware optimizer) keeps the moments in bf16 and the
+    main copy as the 16 bits the bf16 weight lacks (TE's store_param_remainders): 6 bytes.
+    optimizer.cpu_offload=f moves a share f of the parameters' state to the host, where megatron's
+    hybrid optimizer also keeps an fp32 copy of their gradients: 16 bytes each there."""
+    o = cfg.optimizer
+    low_precision = _dtype_bytes(cfg) < 4
+    if o.name != "adam":
+        return (4.0 if low_precision else 0.0), 0.0
+    if o.state_dtype == "bf16":
+        return 6.0, 0.0
+    full = 8 + (4 if low_precision else 0)
+    return full * (1 - o.cpu_offload), (full + 4) * o.cpu_offload
 
 
 def stage_ranks(cfg: Config, world_size: int) -> list[int]:
@@ -110,18 +131,19 @@ def activation_bytes(cfg: Config, layers: int, stage: int) -> int:
     pp - stage of them). Per token and layer in the model dtype: about 6h for
     attention's inputs and outputs (flash attention keeps no scores) and 4f for the MLP (f: the
     FFN width a token goes through, top-k experts for MoE); sharded over TP with sequence
-    parallelism, and over CP. With train.recompute=full only each layer's input (h) is kept. The last
-    stage adds the fp32 logits."""
+    parallelism, and over CP. With train.recompute=full only each layer's input (h) is kept, plus
+    the one layer being recomputed. The last stage adds the fp32 logits."""
     m, p = cfg.model, cfg.parallel
     tokens = cfg.data.micro_batch_size * cfg.data.seq_length
     ffn = m.moe_topk * m.moe_ffn_hidden_size + m.moe_shared_ffn_hidden_size if m.num_experts else m.ffn_hidden_size
     per_layer = tokens * (6 * m.hidden_size + 4 * ffn) * _dtype_bytes(cfg)
     split = p.cp * (p.tp if p.sp else 1)
+    recomputed = 0
     if cfg.train.recompute == "full":
-        per_layer = tokens * m.hidden_size * _dtype_bytes(cfg)  # only each layer's input is kept
+        per_layer, recomputed = tokens * m.hidden_size * _dtype_bytes(cfg), per_layer // split
     in_flight = p.pp - stage  # 1F1B's warm-up depth: an upper bound
     logits = tokens * m.vocab_size * 4 // (p.tp * p.cp) if stage == p.pp - 1 else 0
-    return (layers * per_layer // split) * in_flight + logits
+    return (layers * per_layer // split) * in_flight + recomputed + logits
 
 
 def kv_cache_bytes(cfg: Config, layers: int) -> int:
@@ -149,37 +171,51 @@ def plan(cfg: Config, world_size: int = 0, gpu: str = "h100") -> Plan:
     dp = p.data_parallel_size(world_size)
     expert_dp = world_size // (p.pp * p.ep * (p.etp or p.tp))
     wbytes = _dtype_bytes(cfg)
-    # Adam: fp32 exp_avg and exp_avg_sq, plus an fp32 main copy of low-precision weights.
-    state = (8 if cfg.optimizer.name == "adam" else 0) + (4 if wbytes < 4 else 0)
+    state, host_state = optimizer_bytes_per_param(cfg)
     result = Plan(cfg.recipe, world_size, gpu)
-    dense_total = expert_total = 0
-    for stage, rank in enumerate(stage_ranks(cfg, world_size)):
-        chunks = _build_on_meta(cfg, rank, world_size)
-        params = [q for c in chunks for q in c.parameters()]
-        n = sum(q.numel() for q in params)
-        experts = sum(q.numel() for q in params if _is_expert(q))
+    stages, dense_total, expert_total = _parameter_counts(cfg, world_size)
+    for stage, (rank, n, experts, layers) in enumerate(stages):
         shard = (lambda k, group: k // group) if cfg.optimizer.distributed else (lambda k, group: k)
-        optimizer = state * (shard(n - experts, dp) + shard(experts, expert_dp))
-        layers = _layers(chunks)
+        sharded = shard(n - experts, dp) + shard(experts, expert_dp)
         result.stages.append(StagePlan(
             stage=stage, rank=rank, layers=layers, params=n, expert_params=experts, weights=n * wbytes,
             grads=n * 4,  # gradients are reduced and kept in fp32 (grad_reduce_in_fp32)
-            optimizer=optimizer, activations=activation_bytes(cfg, layers, stage),
-            kv_cache=kv_cache_bytes(cfg, layers)))
-        # The whole model: TP-sharded parameters exist tp times, experts ep x etp times.
-        etp = p.etp or p.tp
-        for q in params:
-            if _is_expert(q):
-                expert_total += q.numel() * p.ep * (etp if getattr(q, "tensor_model_parallel", False) else 1)
-            else:
-                dense_total += q.numel() * (p.tp if getattr(q, "tensor_model_parallel", False) else 1)
-    _shutdown()
+            optimizer=int(state * sharded), activations=activation_bytes(cfg, layers, stage),
+            kv_cache=kv_cache_bytes(cfg, layers), host=int(host_state * sharded)))
     m = cfg.model
     result.total_params = dense_total + expert_total
     routed = m.moe_topk / m.num_experts if m.num_experts else 1.0
     result.active_params = int(dense_total + expert_total * routed)
     result.train_flops, result.rollout_flops = step_flops(cfg, result.active_params)
     return result
+
+
+_COUNTS: dict[str, tuple] = {}
+
+
+def _parameter_counts(cfg: Config, world_size: int) -> tuple[list[tuple[int, int, int, int]], int, int]:
+    """Per pipeline stage (its first rank, its parameters, of which in experts, its layers), and the
+    whole model's dense and expert parameters. They depend on the architecture and the layout only,
+    so `fit` builds each layout once however many memory settings it tries."""
+    p = cfg.parallel
+    key = json.dumps([dataclasses.asdict(cfg.model), dataclasses.asdict(p), dataclasses.asdict(cfg.fp8), world_size])
+    if key not in _COUNTS:
+        stages, dense_total, expert_total = [], 0, 0
+        etp = p.etp or p.tp
+        for rank in stage_ranks(cfg, world_size):
+            chunks = _build_on_meta(cfg, rank, world_size)
+            params = [q for c in chunks for q in c.parameters()]
+            stages.append((rank, sum(q.numel() for q in params), sum(q.numel() for q in params if _is_expert(q)),
+                           _layers(chunks)))
+            # The whole model: TP-sharded parameters exist tp times, experts ep x etp times.
+            for q in params:
+                if _is_expert(q):
+                    expert_total += q.numel() * p.ep * (etp if getattr(q, "tensor_model_parallel", False) else 1)
+                else:
+                    dense_total += q.numel() * (p.tp if getattr(q, "tensor_model_parallel", False) else 1)
+        _shutdown()
+        _COUNTS[key] = stages, dense_total, expert_total
+    return _COUNTS[key]
 
 
 def step_flops(cfg: Config, active_params: int) -> tuple[float, float]:
@@ -206,6 +242,81 @@ def _shutdown():
         dist.destroy_process_group()
 
 
+MEMORY_SETTINGS = [
+    [],
+    ["optimizer.distributed=true"],
+    ["optimizer.distributed=true", "optimizer.state_dtype=bf16"],
+    ["optimizer.distributed=true", "train.recompute=full"],
+    ["optimizer.distributed=true", "optimizer.state_dtype=bf16", "train.recompute=full"],
+    ["optimizer.distributed=true", "train.recompute=full", "optimizer.state_dtype=fp32", "optimizer.cpu_offload=0.5"],
+    ["optimizer.distributed=true", "train.recompute=full", "optimizer.state_dtype=fp32", "optimizer.cpu_offload=1"],
+]
+"""What `fit` tries on a layout, cheapest in step time first: sharding the optimizer state over
+data-parallel ranks costs nothing; bf16 moments cost no time; full recompute costs about a third
+more training compute; moving optimizer state to the host (in fp32: megatron's offload keeps no bf16
+state) costs its copies and a CPU update."""
+
+
+@dataclass
+class Fit:
+    """Settings under which a recipe fits: overrides (and the world size they need), with their plan."""
+
+    overrides: list[str]
+    world_size: int
+    plan: Plan
+
+
+def fit(cfg: Config, world_size: int = 0, gpu: str = "h100", max_factor: int = 8) -> Fit | None:
+    """The first settings under which `cfg` fits on `gpu`: the memory settings on its own layout,
+    then on layouts with 2, 4, ... up to max_factor times the GPUs (tensor parallelism widened up to 8,
+    else more pipeline stages). None if nothing tried fits."""
+    import copy
+
+    from megatron_rl.config import ConfigError, apply_overrides
+
+    p, m = cfg.parallel, cfg.model
+    world_size = world_size or p.tp * p.pp * p.cp * max(p.dp, 1)
+    layouts = [([], world_size)]
+    factor = 2
+    while factor <= max_factor:
+        if p.tp * factor <= 8:
+            layouts.append(([f"parallel.tp={p.tp * factor}"], world_size * factor))
+        if m.num_layers % (p.pp * factor) == 0:
+            layouts.append(([f"parallel.pp={p.pp * factor}", "parallel.first_stage_layers=0",
+                             "parallel.last_stage_layers=0"], world_size * factor))
+        factor *= 2
+    tried = set()
+    for layout, size in layouts:
+        for settings in MEMORY_SETTINGS:
+            trial = apply_overrides(copy.deepcopy(cfg), layout + settings)
+            key = (size, trial.to_json())
+            if key in tried:
+                continue
+            tried.add(key)
+            try:
+                result = plan(trial, size, gpu)
+            except ConfigError:
+                continue  # not a valid layout or setting for this model
+            if result.fits:
+                changed = [o for o in layout + settings
+                           if apply_overrides(copy.deepcopy(cfg), [o]).to_json() != cfg.to_json()]
+                return Fit(changed, size, result)
+    return None
+
+
+def format_fit(found: Fit | None, world_size: int) -> str:
+    """One line saying what to change so that a recipe that does not fit does."""
+    if found is None:
+        return "Nothing the planner tries fits (memory settings, up to 8 x the GPUs): raise tp/pp/ep by hand."
+    worst = max(s.total for s in found.plan.stages) / 1e9
+    gpus = GPUS[found.plan.gpu]
+    if found.world_size == world_size:
+        return f"It fits with {' '.join(found.overrides)}: the fullest rank needs {worst:.1f} of {gpus} GB."
+    return (f"It does not fit on {world_size} GPUs with any memory setting; the smallest layout found that fits: "
+            f"--world-size {found.world_size} {' '.join(found.overrides)} (the fullest rank needs {worst:.1f} of "
+            f"{gpus} GB).")
+
+
 def format_plan(result: Plan) -> str:
     gb = lambda b: f"{b / 1e9:8.1f}"  # noqa: E731
     lines = [f"recipe {result.recipe}: {result.world_size} GPUs ({result.gpu}, {GPUS[result.gpu]} GB each); model "
@@ -220,6 +331,8 @@ def format_plan(result: Plan) -> str:
     lines += ["", f"model FLOPs per step: training {result.train_flops:.3g}, rollout and logprob passes "
                   f"{result.rollout_flops:.3g}; at 40% of the bf16 peak: {total / (0.4 * peak):.1f} s per step",
               ("FITS" if result.fits else "DOES NOT FIT") + f": the fullest rank (stage {worst.stage}) needs "
-              f"{worst.total / 1e9:.1f} of {GPUS[result.gpu]} GB"
-              + ("" if result.fits else "; raise tp/pp/ep, use train.recompute=full or the distributed optimizer.")]
+              f"{worst.total / 1e9:.1f} of {GPUS[result.gpu]} GB" + ("." if result.fits else ":")]
+    host = max(s.host for s in result.stages)
+    if host:
+        lines.insert(-1, f"optimizer state in host memory (optimizer.cpu_offload): up to {host / 1e9:.1f} GB per GPU")
     return "\n".join(lines)

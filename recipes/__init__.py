@@ -1,4 +1,8 @@
-"""Recipes: functions returning a Config, registered by name. One module per model family."""
+"""Recipes: functions returning a Config, registered by name, one module per model family.
+
+Names are `<model>_<algorithm>[_<hardware>]`; a recipe made for other GPUs than H100 says which
+(`@register(gpu="gb200")`), and tools/plan.py checks it on those by default.
+"""
 
 import difflib
 import importlib
@@ -8,12 +12,18 @@ from typing import Callable
 from megatron_rl.config import Config, ConfigError
 
 _REGISTRY: dict[str, Callable[[], Config]] = {}
+_GPU: dict[str, str] = {}
 
 
-def register(fn: Callable[[], Config]) -> Callable[[], Config]:
-    """Decorator: the function's name is the recipe's name."""
-    _REGISTRY[fn.__name__] = fn
-    return fn
+def register(fn: Callable[[], Config] | None = None, *, gpu: str = "h100"):
+    """Decorator, bare or with the GPU the recipe's layout is made for: the function's name is the
+    recipe's name."""
+    def add(fn):
+        _REGISTRY[fn.__name__] = fn
+        _GPU[fn.__name__] = gpu
+        return fn
+
+    return add(fn) if fn is not None else add
 
 
 def _load_all():
@@ -21,11 +31,30 @@ def _load_all():
         importlib.import_module(f"{__name__}.{mod.name}")
 
 
+FAMILIES = ("tiny", "llama", "qwen", "mixtral", "deepseek", "nemotron")
+"""The order --list-recipes shows the families in (any other module after them)."""
+
+
 def list_recipes() -> dict[str, str]:
-    """name -> first line of its docstring."""
+    """name -> the first paragraph of its docstring, on one line."""
     _load_all()
-    return {name: (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
+    return {name: " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split())
             for name, fn in sorted(_REGISTRY.items())}
+
+
+def recipes_by_family() -> dict[str, dict[str, str]]:
+    """family (the recipe's module: tiny, llama, qwen, ...) -> {name: its summary}, families in FAMILIES order."""
+    families: dict[str, dict[str, str]] = {}
+    for name, doc in list_recipes().items():
+        families.setdefault(_REGISTRY[name].__module__.rsplit(".", 1)[-1], {})[name] = doc
+    rank = {family: i for i, family in enumerate(FAMILIES)}
+    return dict(sorted(families.items(), key=lambda item: (rank.get(item[0], len(FAMILIES)), item[0])))
+
+
+def recipe_gpu(name: str) -> str:
+    """The GPU a recipe's layout is made for (h100 unless it says otherwise)."""
+    _load_all()
+    return _GPU.get(name, "h100")
 
 
 def get_recipe(name: str) -> Config:

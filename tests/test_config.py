@@ -62,13 +62,77 @@ def test_cli_errors_are_one_line():
             'use the container), or set fp8.format=off.']
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["optimizer.state_dtype=bf16"], "optimizer.state_dtype=bf16 works on megatron-core's distributed Adam: set "
+                                     "optimizer.distributed=true (and optimizer.name=adam)."),
+    (["optimizer.cpu_offload=0.5", "optimizer.distributed=true", "train.precision=fp32"],
+     "optimizer.cpu_offload is for bf16 training (train.precision=bf16 or auto on a GPU); with train.precision=fp32 "
+     "keep optimizer.state_dtype=fp32 and optimizer.cpu_offload=0."),
+    (["optimizer.cpu_offload=1.5"], "optimizer.cpu_offload=1.5 is the share of the optimizer state moved to host "
+                                    "memory: give a number in [0, 1]."),
+    (["optimizer.cpu_offload=1", "optimizer.state_dtype=bf16", "optimizer.distributed=true"],
+     "optimizer.state_dtype=bf16 and optimizer.cpu_offload do not combine (megatron-core's offloaded optimizer keeps "
+     "fp32 state): choose one."),
+])
+def test_optimizer_memory_settings_refused(overrides, message):
+    cfg = apply_overrides(get_recipe("tiny_sft"), overrides)
+    with pytest.raises(ConfigError) as e:
+        cfg.validate()
+    assert str(e.value) == message
+
+
+def test_optimizer_memory_settings_map_to_megatron(monkeypatch):
+    """bf16 moments and CPU offload become megatron-core's own OptimizerConfig fields (its offload runs
+    on the precision-aware optimizer's code path); megatron accepts the offload settings as given
+    (its version check of Transformer Engine stubbed where TE is absent)."""
+    import dataclasses
+    import importlib.util
+
+    import megatron.core.optimizer.optimizer_config as megatron_optimizer_config
+
+    import torch
+    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+
+    from megatron_rl.training.setup import _optimizer_memory_kwargs
+
+    cfg = apply_overrides(get_recipe("tiny_sft"), ["optimizer.distributed=true", "train.precision=bf16"])
+    assert _optimizer_memory_kwargs(cfg.optimizer) == {}
+    cfg.optimizer.state_dtype = "bf16"
+    bf16 = _optimizer_memory_kwargs(cfg.optimizer)
+    assert bf16["use_precision_aware_optimizer"] and bf16["exp_avg_dtype"] == bf16["exp_avg_sq_dtype"] == torch.bfloat16
+    assert not bf16["optimizer_cpu_offload"]
+    cfg.optimizer.state_dtype, cfg.optimizer.cpu_offload = "fp32", 0.25
+    offload = _optimizer_memory_kwargs(cfg.optimizer)
+    assert set(bf16) | set(offload) <= {f.name for f in dataclasses.fields(MegatronOptimizerConfig)}
+    if importlib.util.find_spec("transformer_engine") is None:
+        monkeypatch.setattr(megatron_optimizer_config, "is_te_min_version", lambda version: True)
+    built = MegatronOptimizerConfig(optimizer="adam", bf16=True, use_distributed_optimizer=True, **offload)
+    assert built.optimizer_cpu_offload and built.optimizer_offload_fraction == 0.25
+    assert built.exp_avg_dtype == torch.float32 and built.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+
+
+def test_optimizer_memory_settings_need_a_gpu(tmp_path):
+    """On a machine without CUDA: one sentence, exit 2, no run directory."""
+    if __import__("torch").cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    run_dir = tmp_path / "run"
+    proc = run_train(["--recipe", "tiny_sft", "optimizer.distributed=true", "train.precision=bf16",
+                      "optimizer.state_dtype=bf16", f"logging.run_dir={run_dir}"], check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: optimizer.state_dtype=bf16 needs a GPU (megatron-core keeps the optimizer state in GPU memory, which it "
+        "shrinks or moves to the host); on the CPU the state is in host memory already: set optimizer.state_dtype=fp32 "
+        "and optimizer.cpu_offload=0."]
+    assert not run_dir.exists()
+
+
 def test_fp8_settings(monkeypatch):
     """Refused when the config is read: delayed scaling with bf16 first/last layers (megatron-core
     raises later); and a recipe TE's own probe says this machine cannot run (TE stubbed on CPU)."""
     import sys
     import types
 
-    from megatron_rl.platform import fp8
+    from megatron_rl.platform.support import check_fp8
     from model_providers.builder import _fp8_kwargs
 
     cfg = apply_overrides(get_recipe("tiny_sft"), ["fp8.format=hybrid", "fp8.recipe=delayed", "fp8.bf16_first_layers=1"])
@@ -90,10 +154,10 @@ def test_fp8_settings(monkeypatch):
     for name, module in (("transformer_engine", te), ("transformer_engine.pytorch", te.pytorch),
                          ("transformer_engine.pytorch.fp8", probes)):
         monkeypatch.setitem(sys.modules, name, module)
-    fp8.check_support(cfg.fp8)  # blockwise: supported here
+    check_fp8(cfg.fp8)  # blockwise: supported here
     cfg.fp8.recipe = "mxfp8"
     with pytest.raises(ConfigError) as e:
-        fp8.check_support(cfg.fp8)
+        check_fp8(cfg.fp8)
     assert str(e.value) == ("fp8.recipe=mxfp8 cannot run on this machine (Device compute capability 10.0 or higher "
                             "required for MXFP8 execution): use fp8.recipe=tensorwise or blockwise.")
 
@@ -109,4 +173,4 @@ def test_missing_checkpoint_is_one_line(tmp_path):
 def test_cli_print_config_and_list():
     proc = run_train(["--recipe", "tiny_sft", "optimizer.lr=3e-4", "train.max_steps=50", "--print-config"])
     assert '"lr": 0.0003' in proc.stdout and '"max_steps": 50' in proc.stdout
-    assert "tiny_sft" in run_train(["--list-recipes"]).stdout
+    assert "  tiny_sft " in run_train(["--list-recipes"]).stdout

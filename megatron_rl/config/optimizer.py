@@ -21,11 +21,34 @@ class OptimizerConfig:
     """Clip the global gradient norm to this; 0 turns clipping off."""
     distributed: bool = False
     """Megatron's distributed optimizer: shard optimizer state over data-parallel ranks."""
+    state_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Adam's two moments in bf16 instead of fp32: megatron's precision-aware optimizer (Transformer
+    Engine's FusedAdam, which then also keeps the fp32 main weights as 16-bit remainders of the bf16
+    weights): 6 bytes of state per parameter instead of 12. Needs the distributed optimizer, bf16
+    training and a GPU."""
+    cpu_offload: float = 0.0
+    """Share of the optimizer state kept in host memory and updated by the CPU (megatron's
+    HybridDeviceOptimizer, copies overlapped with the update): 0 off, 1 all of it. Host memory per
+    GPU: 16 bytes per offloaded parameter of its shard. Needs the distributed optimizer and a GPU."""
 
-    def validate(self):
+    def validate(self, precision: str = "auto"):
         positive(self, "lr")
         if self.min_lr > self.lr:
             raise ConfigError(f"optimizer.min_lr={self.min_lr} exceeds optimizer.lr={self.lr}; lower min_lr.")
+        if not 0 <= self.cpu_offload <= 1:
+            raise ConfigError(f"optimizer.cpu_offload={self.cpu_offload} is the share of the optimizer state moved to "
+                              "host memory: give a number in [0, 1].")
+        if self.state_dtype == "bf16" and self.cpu_offload:
+            raise ConfigError("optimizer.state_dtype=bf16 and optimizer.cpu_offload do not combine (megatron-core's "
+                              "offloaded optimizer keeps fp32 state): choose one.")
+        if self.state_dtype == "bf16" or self.cpu_offload:
+            what = "optimizer.state_dtype=bf16" if self.state_dtype == "bf16" else "optimizer.cpu_offload"
+            if not self.distributed or self.name != "adam":
+                raise ConfigError(f"{what} works on megatron-core's distributed Adam: set optimizer.distributed=true "
+                                  "(and optimizer.name=adam).")
+            if precision == "fp32":
+                raise ConfigError(f"{what} is for bf16 training (train.precision=bf16 or auto on a GPU); with "
+                                  "train.precision=fp32 keep optimizer.state_dtype=fp32 and optimizer.cpu_offload=0.")
 
 
 @dataclass(kw_only=True)

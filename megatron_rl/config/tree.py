@@ -38,7 +38,7 @@ class Config:
         """Check everything that can be checked before a model is built."""
         self.model.validate()
         self.parallel.validate(world_size, self.model)
-        self.optimizer.validate()
+        self.optimizer.validate(self.train.precision)
         self.data.validate(self.parallel.data_parallel_size(world_size), uses_global_batch=self.algorithm.name != "grpo")
         self._validate_heads_and_rewards()
         self.fp8.validate()

@@ -88,7 +88,7 @@ def build_optimizer(cfg: Config, model: list):
         optimizer=o.name, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
         adam_beta1=o.beta1, adam_beta2=o.beta2, adam_eps=o.eps, sgd_momentum=o.beta1,
         clip_grad=o.clip_grad, use_distributed_optimizer=o.distributed,
-        bf16=dtype == torch.bfloat16, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16, params_dtype=dtype, **_optimizer_memory_kwargs(o),
     ), model)
     decay_steps = s.decay_steps or cfg.train.max_steps
     scheduler = OptimizerParamScheduler(
@@ -98,6 +98,19 @@ def build_optimizer(cfg: Config, model: list):
         wd_incr_steps=decay_steps, wd_incr_style="constant",
     )
     return optimizer, scheduler
+
+
+def _optimizer_memory_kwargs(o) -> dict:
+    """optimizer.state_dtype and cpu_offload as megatron-core's OptimizerConfig fields. Its CPU
+    offload runs on the precision-aware optimizer's code path, so both turn that on."""
+    if o.state_dtype == "fp32" and not o.cpu_offload:
+        return {}
+    import torch
+
+    moments = torch.bfloat16 if o.state_dtype == "bf16" else torch.float32
+    return dict(use_precision_aware_optimizer=True, exp_avg_dtype=moments, exp_avg_sq_dtype=moments,
+                optimizer_cpu_offload=o.cpu_offload > 0, optimizer_offload_fraction=o.cpu_offload,
+                overlap_cpu_optimizer_d2h_h2d=o.cpu_offload > 0)
 
 
 def build_trainee(cfg: Config) -> Trainee:

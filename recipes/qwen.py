@@ -1,0 +1,80 @@
+"""Qwen: Qwen2.5 (dense, biased q/k/v) and Qwen3-MoE, GRPO on math (recipes/common.py says how to run them)."""
+
+from megatron_rl.config import Config, ModelConfig, ParallelConfig
+
+from . import register
+from .common import math_grpo, on_gb200, with_fp8
+
+
+def _qwen3_moe(layers, hidden, heads, experts_ffn) -> ModelConfig:
+    return ModelConfig(family="qwen", num_layers=layers, hidden_size=hidden, ffn_hidden_size=3 * hidden,
+                       num_attention_heads=heads, num_query_groups=4, head_dim=128, vocab_size=151936,
+                       max_position_embeddings=40960, qk_layernorm=True, rotary_base=1e6, num_experts=128,
+                       moe_ffn_hidden_size=experts_ffn, moe_topk=8, moe_dispatcher="alltoall")
+
+
+@register
+def qwen3_30b_a3b_grpo() -> Config:
+    """Qwen3-30B-A3B, GRPO on math: 2 nodes x 8 H100 (TP2 + SP, EP8, DP8), bf16.
+
+    Planner: fits, 69.4 of 80 GB on the fullest rank.
+    """
+    return math_grpo(_qwen3_moe(48, 2048, 32, 768), ParallelConfig(tp=2, sp=True, ep=8, etp=1, dp=8),
+                     prompts_per_step=64, max_requests=64, kv_cache_gb=8)
+
+
+@register(gpu="gb200")
+def qwen3_30b_a3b_grpo_gb200() -> Config:
+    """Qwen3-30B-A3B, GRPO on math: 2 GB200 trays x 4 GPUs (TP2 + SP, EP8, DP4), MXFP8.
+
+    Planner: fits, 92.3 of 186 GB on the fullest rank.
+    """
+    cfg = on_gb200(qwen3_30b_a3b_grpo(), dp=4)
+    cfg.algorithm.prompts_per_step = 32
+    return cfg
+
+
+@register
+def qwen3_235b_a22b_grpo() -> Config:
+    """Qwen3-235B-A22B, GRPO on math: 16 nodes x 8 H100 (TP4 + SP, PP8 with 11/12/11 layers, EP8,
+    DP4), blockwise FP8.
+
+    Planner: fits, 59.9 of 80 GB on the fullest rank.
+    """
+    cfg = math_grpo(_qwen3_moe(94, 4096, 64, 1536),
+                    ParallelConfig(tp=4, sp=True, pp=8, first_stage_layers=11, last_stage_layers=11, ep=8, etp=1,
+                                   dp=4),
+                    prompts_per_step=64, max_requests=32, kv_cache_gb=8)
+    return with_fp8(cfg, "h100")
+
+
+@register(gpu="gb200")
+def qwen3_235b_a22b_grpo_gb200() -> Config:
+    """Qwen3-235B-A22B, GRPO on math: 16 GB200 trays x 4 GPUs (TP4 + SP, PP4 with 23/24/23 layers,
+    EP8, DP4), MXFP8.
+
+    Planner: fits, 105.3 of 186 GB on the fullest rank.
+    """
+    return on_gb200(qwen3_235b_a22b_grpo(), pp=4, first_stage_layers=23, last_stage_layers=23)
+
+
+@register(gpu="a100")
+def qwen25_32b_grpo() -> Config:
+    """Qwen2.5-32B(-Instruct), GRPO on math with 16k-token sequences: one node of 8 A100 80GB (TP8 + SP,
+    DP1), bf16 with bf16 Adam moments (optimizer.state_dtype=bf16).
+
+    At TP8 and DP1 nothing shards the optimizer state over data-parallel ranks, and fp32 Adam
+    state (12 bytes per parameter) alone is 49 GB per GPU: the planner finds it does not fit, and
+    that megatron's precision-aware optimizer (6 bytes per parameter) makes it fit; CPU offload
+    (optimizer.cpu_offload=1) fits too, at the cost of a host-side update.
+
+    Planner: fits, 66.0 of 80 GB on the fullest rank.
+    """
+    model = ModelConfig(family="qwen", num_layers=64, hidden_size=5120, ffn_hidden_size=27648,
+                        num_attention_heads=40, num_query_groups=8, head_dim=128, vocab_size=152064,
+                        max_position_embeddings=32768, qkv_bias=True, rotary_base=1e6, norm_epsilon=1e-6)
+    cfg = math_grpo(model, ParallelConfig(tp=8, sp=True, dp=1), prompts_per_step=8, max_requests=16, kv_cache_gb=8,
+                    prompt_tokens=1024, answer_tokens=15360)
+    cfg.algorithm.minibatches = 2
+    cfg.optimizer.state_dtype = "bf16"
+    return cfg
