@@ -403,3 +403,42 @@ def test_cuda_connections_warning(monkeypatch, capability, tp, cp, env, warns):
     monkeypatch.setattr(platform, "has_cuda", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (capability, 0))
     assert bool(platform.check_cuda_connections(tp, cp, env=env)) == warns
+
+
+# megatron-core's Mamba layer on a machine without mamba_ssm, causal_conv1d and Triton: each fix
+# (the torch kernels for the mixer, our tensor helpers in place of the Triton module it imports)
+# is undone in turn and building or running the layer must then fail.
+MAMBA_MIXER = """
+import sys, torch
+from megatron_rl import platform
+from megatron_rl.platform import fixes, hooks
+
+if __name__ == "__main__":
+    if "kernels" in sys.argv:
+        hooks._BY_NAME["megatron.core.ssm.mamba_mixer"].remove(fixes._mamba_without_kernels)
+    if "triton" in sys.argv:
+        hooks._SUBSTITUTES.clear()
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer import TransformerConfig
+
+    platform.init_distributed()
+    platform.init_model_parallel()
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, mamba_state_dim=4,
+                               mamba_head_dim=4, mamba_num_groups=2, mamba_num_heads=4, use_cpu_initialization=True)
+    mixer = MambaMixer(config, MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
+                       d_model=16, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    print(mixer(torch.randn(5, 1, 16))[0].shape)
+"""
+
+
+@pytest.mark.parametrize("fix", ["kernels", "triton"])
+def test_mamba_fix_is_needed(fix, tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("mamba_ssm" if fix == "kernels" else "triton") is not None:
+        pytest.skip(f"this machine has {'mamba_ssm' if fix == 'kernels' else 'triton'}")
+    assert _run_script(MAMBA_MIXER, tmp_path, fix).returncode != 0, f"the {fix} fix is not needed any more"
+    proc = _run_script(MAMBA_MIXER, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]

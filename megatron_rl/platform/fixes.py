@@ -128,7 +128,49 @@ def _kv_cache_index_under_vpp(module):
     module.Attention._get_pp_layer_offset_for_inference = offset
 
 
+def _mamba_without_kernels(module):
+    """megatron-core's Mamba layer binds mamba_ssm's Triton scans, its gated RMSNorm and
+    causal_conv1d's kernels as module names (None, or a MagicMock base class, when absent), and
+    refuses to build without mamba_ssm. Give it the torch versions with the same signatures
+    (mamba_ops.py), and answer its version checks with the versions they stand in for."""
+    if module.HAVE_MAMBA_SSM:
+        return
+    from packaging.version import Version
+
+    from . import mamba_ops
+
+    for name in ("mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined", "causal_conv1d_fn",
+                 "causal_conv1d_update", "causal_conv1d_varlen_states", "selective_state_update", "RMSNormGated"):
+        setattr(module, name, getattr(mamba_ops, name))
+
+    class ExtendedRMSNorm(mamba_ops.RMSNormGated):
+        """megatron's ExtendedRMSNorm (made on the MagicMock, so itself a MagicMock), on ours: the
+        gated norm whose weight checkpoints sharded over TP along axis 0, as megatron's does."""
+
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            if not hasattr(self, "tp_group"):
+                self.tp_group = module.parallel_state.get_tensor_model_parallel_group()
+            return module.make_sharded_tensors_for_checkpoint(
+                self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0}, sharded_offsets,
+                tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+
+    module.ExtendedRMSNorm = ExtendedRMSNorm
+    module.is_mamba_min_version = lambda version, check_equality=True: (
+        Version(mamba_ops.MAMBA_SSM_VERSION) >= Version(version) if check_equality
+        else Version(mamba_ops.MAMBA_SSM_VERSION) > Version(version))
+    module.is_causal_conv1d_min_version = lambda version, check_equality=True: (
+        Version(mamba_ops.CAUSAL_CONV1D_VERSION) >= Version(version) if check_equality
+        else Version(mamba_ops.CAUSAL_CONV1D_VERSION) > Version(version))
+    module.HAVE_MAMBA_SSM = True
+
+
 def apply():
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:  # megatron's Mamba inference helpers import it at the top
+        hooks.substitute("megatron.core.inference.contexts.attention_context.triton.tensor_ops",
+                         "megatron_rl.platform.mamba_ops")
+    hooks.on_import("megatron.core.ssm.mamba_mixer", _mamba_without_kernels)
     hooks.on_import("megatron.core.optimizer.distrib_optimizer", _fix_distrib_optimizer)
     hooks.on_import("megatron.core.transformer.multi_latent_attention", _fix_mla_te_check)
     hooks.on_import("megatron.core.transformer.moe.moe_utils", _fix_router_gemm)

@@ -20,10 +20,28 @@ def _run(module):
         fn(module)
 
 
+_SUBSTITUTES: dict[str, str] = {}  # megatron module -> ours, imported in its place
+
+
+class _Alias(importlib.abc.Loader):
+    """Loads one of our modules under a megatron module's name."""
+
+    def __init__(self, target: str):
+        self.target = target
+
+    def create_module(self, spec):
+        return importlib.import_module(self.target)
+
+    def exec_module(self, module):
+        pass
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
         if not name.startswith("megatron.core"):
             return None
+        if name in _SUBSTITUTES:
+            return importlib.machinery.ModuleSpec(name, _Alias(_SUBSTITUTES[name]))
         spec = importlib.machinery.PathFinder.find_spec(name, path, target)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
@@ -59,3 +77,10 @@ def on_every_import(fn: Callable):
     for name, module in list(sys.modules.items()):
         if name.startswith("megatron.core") and module is not None:
             fn(module)
+
+
+def substitute(name: str, ours: str):
+    """Import our module `ours` wherever megatron imports module `name` (for a module that cannot
+    even be imported here, such as one importing Triton at the top)."""
+    _install()
+    _SUBSTITUTES[name] = ours
