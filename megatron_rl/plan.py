@@ -113,6 +113,9 @@ def _build_on_meta(cfg: Config, rank: int, world_size: int):
         virtual_pipeline_model_parallel_size=p.vpp if p.vpp > 1 else None, context_parallel_size=p.cp,
         expert_model_parallel_size=p.ep, expert_tensor_parallel_size=p.etp or None,
         create_gloo_process_groups=False)
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(0)  # Mamba layers draw their initial values under the tracker's fork
     with torch.device("meta"):
         chunks, _ = build_model(cfg, wrap_ddp=False, meta=True)
     return chunks

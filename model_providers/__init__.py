@@ -12,7 +12,7 @@ what differs between families:
 
 import importlib
 
-FAMILIES = {name: f"model_providers.{name}" for name in ("llama", "qwen", "mixtral", "deepseek", "nemotron")}
+FAMILIES = {name: f"model_providers.{name}" for name in ("llama", "qwen", "mixtral", "deepseek", "nemotron", "nemotron_h")}
 
 
 def get_family(family: str):

@@ -161,6 +161,9 @@ class Provider:
         )
         if m.multi_latent_attention:
             return MLATransformerConfig(**kwargs, **_mla_kwargs(m))
+        if m.hybrid_pattern:
+            kwargs.update(is_hybrid_model=True, mamba_state_dim=m.mamba_state_dim, mamba_head_dim=m.mamba_head_dim,
+                          mamba_num_groups=m.mamba_num_groups, mamba_num_heads=m.mamba_num_heads or None)
         return TransformerConfig(**kwargs)
 
     def layer_spec(self, config, vp_stage=None):
@@ -175,13 +178,72 @@ class Provider:
             _swap_local_modules(spec)
         return spec
 
+    def hybrid_spec(self):
+        """The MambaStack spec of a hybrid model, from megatron-core's local modules and ours (its
+        own spec is Transformer Engine's only): Mamba-2 layers (norm, then the mixer), attention
+        layers, MLP layers and MoE layers."""
+        from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+        from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
+        from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+        from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+        from megatron.core.ssm.mlp_layer import MLPLayer
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+        from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+        from megatron.core.transformer.enums import AttnMaskType
+        from megatron.core.transformer.mlp import MLP, MLPSubmodules
+        from megatron.core.transformer.spec_utils import ModuleSpec
+        from megatron.core.transformer.transformer_layer import (MoETransformerLayer, TransformerLayer,
+                                                                 TransformerLayerSubmodules)
+
+        from .attention import CoreAttention
+        from .norm import Norm
+
+        m = self.model
+        spec = ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(
+            mamba_layer=ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
+                norm=Norm,
+                mixer=ModuleSpec(module=MambaMixer,
+                                 params={"d_conv": m.mamba_conv_kernel, "chunk_size": m.mamba_chunk_size},
+                                 submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear,
+                                                                 out_proj=RowParallelLinear)),
+                mamba_bda=get_bias_dropout_add)),
+            attention_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+                input_layernorm=Norm,
+                self_attention=ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                                          submodules=SelfAttentionSubmodules(
+                                              linear_qkv=ColumnParallelLinear, core_attention=CoreAttention,
+                                              linear_proj=RowParallelLinear)),
+                self_attn_bda=get_bias_dropout_add)),
+            mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+                pre_mlp_layernorm=Norm,
+                mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                                    linear_fc2=RowParallelLinear)),
+                mlp_bda=get_bias_dropout_add)),
+        ))
+        if m.num_experts:
+            spec.submodules.moe_layer = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
+                pre_mlp_layernorm=Norm, mlp=get_moe_module_spec(use_te=False, num_experts=m.num_experts,
+                                                                moe_grouped_gemm=False),
+                mlp_bda=get_bias_dropout_add))
+        return _swap_local_modules(spec)
+
     def build_stage(self, config, pre_process: bool, post_process: bool, vp_stage=None):
-        """The GPTModel holding this rank's layers of one (virtual) pipeline stage."""
+        """The GPTModel (MambaModel for a hybrid) holding this rank's layers of one (virtual)
+        pipeline stage."""
         from megatron.core.models.gpt import GPTModel
 
         from megatron_rl.training.heads import score_model_class
 
         m = self.model
+        if m.hybrid_pattern:
+            from megatron.core.models.mamba import MambaModel
+
+            return MambaModel(config=config, mamba_stack_spec=self.hybrid_spec(),
+                              vocab_size=padded_vocab_size(m.vocab_size), max_sequence_length=m.max_position_embeddings,
+                              pre_process=pre_process, post_process=post_process,
+                              hybrid_override_pattern=m.hybrid_pattern,
+                              share_embeddings_and_output_weights=m.tie_embeddings, position_embedding_type="none")
         # A reward model's last stage ends in a scalar head (embeddings untied) instead of the vocabulary.
         model_class, tied = (score_model_class(), {}) if m.head == "score" else (
             GPTModel, {"share_embeddings_and_output_weights": m.tie_embeddings})

@@ -194,3 +194,22 @@ def tiny_grpo_rm() -> Config:
     cfg = tiny_grpo()
     cfg.rewards.fn, cfg.rewards.model, cfg.rewards.val_fn = "reward_model", "runs/tiny_rm", "exact_match"
     return cfg
+
+
+def tiny_nemotron_h_model() -> ModelConfig:
+    """Nemotron-H-shaped hybrid: Mamba-2, attention, MLP and MoE layers (sigmoid router with expert
+    bias and a shared expert, squared-ReLU MLPs, no rotary embeddings)."""
+    return ModelConfig(family="nemotron_h", num_layers=6, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4,
+                       num_query_groups=2, head_dim=32, norm_epsilon=1e-5, activation="squared_relu",
+                       max_position_embeddings=64, hybrid_pattern="M*M-ME", mamba_num_heads=8, mamba_head_dim=16,
+                       mamba_num_groups=2, mamba_state_dim=16, mamba_chunk_size=16, num_experts=8,
+                       moe_ffn_hidden_size=64, moe_shared_ffn_hidden_size=128, moe_topk=2, moe_score_function="sigmoid",
+                       moe_expert_bias=True, moe_router_dtype="fp32", moe_capacity_factor=0.0)
+
+
+@register
+def tiny_nemotron_h_sft() -> Config:
+    """tiny_sft with a Nemotron-H-shaped hybrid (Mamba-2, attention, MLP and MoE layers)."""
+    cfg = tiny_sft()
+    cfg.model = tiny_nemotron_h_model()
+    return cfg

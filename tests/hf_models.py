@@ -50,6 +50,13 @@ FAMILIES = {
     "nemotron": ("NemotronConfig", dict(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         partial_rotary_factor=0.5)),
+    # a hybrid: Mamba-2 (chunks of 4 tokens, so scans pass state between chunks), attention, MLP, MoE
+    "nemotron_h": ("NemotronHConfig", dict(
+        hidden_size=64, intermediate_size=96, hybrid_override_pattern="M*M-EM", num_hidden_layers=6,
+        mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=4,
+        layer_norm_epsilon=1e-5, num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=4,
+        moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, num_experts_per_tok=2,
+        routed_scaling_factor=2.5, tie_word_embeddings=False)),
 }
 
 
@@ -62,7 +69,7 @@ def randomize_(model, seed: int = 0):
                 continue
             noise = torch.randn(t.shape, generator=g)
             if t.dim() == 1:  # norms (around 1, or 0 when zero-centered), biases, router bias
-                centered = "norm" in name and "nemotron" not in type(model).__name__.lower()
+                centered = "norm" in name and type(model).__name__ != "NemotronForCausalLM"  # LayerNorm1P: 0
                 t.copy_((1.0 if centered else 0.0) + 0.2 * noise)
             else:
                 t.copy_(noise / t.shape[-1] ** 0.5 * (1.0 if "embed" not in name else 3.0))

@@ -137,9 +137,9 @@ def test_transformers_5_fused_experts_import(one_process, tmp_path):
 
 LAYOUTS = {
     "tp2": (["--tp", "2"], ["llama", "mistral", "qwen2", "qwen3", "nemotron"]),
-    "tp2-sp-moe": (["--tp", "2", "--sp"], ["deepseek_v3", "qwen3_moe"]),
-    "pp2": (["--pp", "2"], ["mistral", "qwen2", "nemotron", "qwen3_moe"]),
-    "ep2": (["--ep", "2"], ["qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v3_yarn"]),
+    "tp2-sp-moe": (["--tp", "2", "--sp"], ["deepseek_v3", "qwen3_moe", "nemotron_h"]),
+    "pp2": (["--pp", "2"], ["mistral", "qwen2", "nemotron", "qwen3_moe", "nemotron_h"]),
+    "ep2": (["--ep", "2"], ["qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v3_yarn", "nemotron_h"]),
 }
 
 

@@ -92,6 +92,19 @@ class ModelConfig:
     moe_capacity_factor: float = 0.0
     """Tokens per expert are capped at this factor times the even share; 0 means no dropping."""
     moe_dispatcher: Literal["allgather", "alltoall"] = "allgather"
+    hybrid_pattern: str = ""
+    """A hybrid model (Nemotron-H): one symbol per layer, 'M' Mamba-2, '*' attention (without
+    rotary embeddings), '-' MLP, 'E' MoE (megatron's hybrid_override_pattern); empty: every layer is
+    attention followed by an MLP."""
+    mamba_num_heads: int = 0
+    """Mamba-2 heads of a hybrid's Mamba layers (their inner width is heads x mamba_head_dim)."""
+    mamba_head_dim: int = 64
+    mamba_num_groups: int = 8
+    """Groups sharing B and C (the key/value groups of Mamba-2)."""
+    mamba_state_dim: int = 128
+    mamba_conv_kernel: int = 4
+    mamba_chunk_size: int = 128
+    """Tokens per chunk of the chunked scan (an implementation choice; the result does not depend on it)."""
     init_method_std: float = 0.02
     hf_path: str = ""
     """A Hugging Face checkpoint directory: its config.json sets this section and its weights
@@ -121,6 +134,32 @@ class ModelConfig:
                                   f"model.moe_num_groups={self.moe_num_groups}.")
         if self.multi_latent_attention:
             positive(self, "kv_lora_rank", "qk_head_dim", "qk_pos_head_dim", "v_head_dim")
+        if self.hybrid_pattern:
+            self._validate_hybrid()
+
+    HYBRID_SYMBOLS: ClassVar[dict[str, str]] = {"M": "Mamba-2", "*": "attention", "-": "MLP", "E": "MoE"}
+
+    def _validate_hybrid(self):
+        pattern = self.hybrid_pattern
+        unknown = sorted(set(pattern) - set(self.HYBRID_SYMBOLS))
+        if unknown:
+            raise ConfigError(f"model.hybrid_pattern has {', '.join(map(repr, unknown))}, not a layer symbol; use "
+                              + ", ".join(f"{s!r} ({kind})" for s, kind in self.HYBRID_SYMBOLS.items()) + ".")
+        if len(pattern) != self.num_layers:
+            raise ConfigError(f"model.hybrid_pattern has {len(pattern)} layers but model.num_layers={self.num_layers}; "
+                              "give one symbol per layer.")
+        if "E" in pattern and not self.num_experts:
+            raise ConfigError("model.hybrid_pattern has MoE layers ('E'): set model.num_experts and "
+                              "model.moe_ffn_hidden_size.")
+        if "M" in pattern:
+            positive(self, "mamba_num_heads", "mamba_head_dim", "mamba_num_groups", "mamba_state_dim",
+                     "mamba_conv_kernel", "mamba_chunk_size")
+            if self.mamba_num_heads % self.mamba_num_groups:
+                raise ConfigError(f"model.mamba_num_heads={self.mamba_num_heads} is not divisible by "
+                                  f"model.mamba_num_groups={self.mamba_num_groups}.")
+        if self.multi_latent_attention or self.head != "lm":
+            raise ConfigError("a hybrid model (model.hybrid_pattern) has plain attention and a language-model head; "
+                              "unset model.multi_latent_attention and keep model.head=lm.")
 
     TRAINING_CHOICES: ClassVar[tuple[str, ...]] = (
         "hf_path", "head", "init_method_std", "moe_aux_loss_type", "moe_aux_loss_coeff", "moe_expert_bias_update_rate",
@@ -130,4 +169,6 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether (0-based) layer `layer` has routed experts."""
+        if self.hybrid_pattern:
+            return self.hybrid_pattern[layer] == "E"
         return bool(self.num_experts) and layer >= self.moe_first_dense_layers

@@ -61,6 +61,8 @@ class ParallelConfig:
         if self.ep > 1 and (not model.num_experts or model.num_experts % self.ep):
             raise ConfigError(
                 f"parallel.ep={self.ep} needs model.num_experts ({model.num_experts}) to be a multiple of it.")
+        if model.hybrid_pattern:
+            self._validate_hybrid(model)
         groups = model.num_query_groups or model.num_attention_heads
         for what, n in (("num_attention_heads", model.num_attention_heads),
                         ("num_query_groups", groups), ("ffn_hidden_size", model.ffn_hidden_size)):
@@ -79,6 +81,16 @@ class ParallelConfig:
             raise ConfigError(
                 f"model.num_layers={model.num_layers} is not divisible by parallel.pp x parallel.vpp = "
                 f"{self.pp} x {self.vpp}; choose a layout whose stages get whole layers.")
+
+    def _validate_hybrid(self, model: ModelConfig):
+        if self.vpp > 1:
+            raise ConfigError("a hybrid model (model.hybrid_pattern) cannot use a virtual pipeline (megatron-core's "
+                              "MambaStack refuses it): set parallel.vpp=1.")
+        if "M" in model.hybrid_pattern:
+            for what in ("mamba_num_heads", "mamba_num_groups"):
+                if getattr(model, what) % self.tp:
+                    raise ConfigError(f"model.{what}={getattr(model, what)} is not divisible by parallel.tp={self.tp}; "
+                                      "choose a tp that divides it.")
 
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp * self.cp)

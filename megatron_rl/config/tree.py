@@ -91,6 +91,9 @@ class Config:
         if a.ratio_level == "sequence" and a.mismatch_correction.startswith("token"):
             raise ConfigError("a sequence-level ratio (GSPO) needs a sequence-level mismatch correction: use "
                               "algorithm.mismatch_correction=sequence_truncate or sequence_mask.")
+        if self.model.hybrid_pattern and self.parallel.cp > 1:
+            raise ConfigError("a hybrid model's rollouts need parallel.cp=1 (megatron-core's Mamba decode has no "
+                              "context parallelism); train it at cp=1, or use context parallelism for SFT only.")
         if a.router_replay and not self.model.num_experts:
             raise ConfigError("algorithm.router_replay=true needs an MoE model (model.num_experts > 0).")
         if self.parallel.cp > 1 and (a.ratio_level == "sequence" or a.mismatch_correction.startswith("sequence")):

@@ -45,33 +45,46 @@ def canonical_layer_suffix(suffix: str, expert_offset: int) -> str:
 @dataclass
 class Placement:
     """Where a local tensor sits in its canonical tensor: a slice along `dim` (None: the whole
-    tensor) of `size` equal parts, part `rank`. `glu`: the canonical tensor is [gate; up] and each
-    rank holds [its gate part; its up part]."""
+    tensor) of `size` equal parts, part `rank`. `parts`: the canonical tensor concatenates parts of
+    these sizes along `dim` (a GLU's [gate; up], Mamba's [z | x | B | C | dt]), each split over the
+    ranks, and a rank holds its share of each part in turn."""
 
     dim: int | None = None
     rank: int = 0
     size: int = 1
     group: object = None
-    glu: bool = False
+    parts: tuple[int, ...] | None = None
 
     def slice(self, full: torch.Tensor) -> torch.Tensor:
         if self.dim is None or self.size == 1:
             return full
-        if self.glu:
-            return torch.cat([half.chunk(self.size, self.dim)[self.rank] for half in full.chunk(2, self.dim)], self.dim)
+        if self.parts:
+            return torch.cat([part.chunk(self.size, self.dim)[self.rank]
+                              for part in full.split(list(self.parts), self.dim)], self.dim)
         return full.chunk(self.size, self.dim)[self.rank]
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """All ranks of the group call this; every one gets the canonical tensor."""
         if self.dim is None or self.size == 1:
             return local
-        parts = [torch.empty_like(local) for _ in range(self.size)]
-        dist.all_gather(parts, local.contiguous(), group=self.group)
-        if self.glu:
-            halves = [p.chunk(2, self.dim) for p in parts]
-            return torch.cat([torch.cat([h[0] for h in halves], self.dim),
-                              torch.cat([h[1] for h in halves], self.dim)], self.dim)
-        return torch.cat(parts, self.dim)
+        shards = [torch.empty_like(local) for _ in range(self.size)]
+        dist.all_gather(shards, local.contiguous(), group=self.group)
+        if self.parts:
+            local_sizes = [n // self.size for n in self.parts]
+            pieces = [s.split(local_sizes, self.dim) for s in shards]
+            return torch.cat([torch.cat([p[i] for p in pieces], self.dim) for i in range(len(self.parts))], self.dim)
+        return torch.cat(shards, self.dim)
+
+
+def _parts(name: str, tensor: torch.Tensor, model: ModelConfig, size: int) -> tuple[int, ...] | None:
+    """The concatenated parts of a fused canonical tensor, or None."""
+    if getattr(tensor, "partition_stride", 1) == 2:  # [gate; up]
+        return (tensor.shape[tensor.partition_dim] * size // 2,) * 2
+    if ".mixer.in_proj." in name or ".mixer.conv1d." in name:  # Mamba: [z |] x | B | C [| dt]
+        inner = model.mamba_num_heads * model.mamba_head_dim
+        bc = model.mamba_num_groups * model.mamba_state_dim
+        return (inner, inner, bc, bc, model.mamba_num_heads) if ".in_proj." in name else (inner, bc, bc)
+    return None
 
 
 def local_tensors(chunk) -> dict[str, torch.Tensor]:
@@ -106,8 +119,9 @@ def canonical(name: str, tensor: torch.Tensor, chunk, model: ModelConfig) -> tup
     else:
         rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
         group = ps.get_tensor_model_parallel_group()
-    return name, Placement(dim=tensor.partition_dim, rank=rank, size=size, group=group,
-                           glu=getattr(tensor, "partition_stride", 1) == 2)
+    # megatron marks Mamba's convolution and per-head parameters tensor-parallel without a partition_dim: dim 0
+    dim = getattr(tensor, "partition_dim", 0)
+    return name, Placement(dim=dim, rank=rank, size=size, group=group, parts=_parts(name, tensor, model, size))
 
 
 def _is_writer(canonical_name: str) -> bool:

@@ -11,6 +11,7 @@ Nothing here is applied when CUDA is available.
 
 import contextlib
 import functools
+import logging
 import types
 
 import torch
@@ -213,6 +214,10 @@ def _patch_random(module):
     # on CPU the one generator is the CPU default generator.
     module._get_cuda_rng_state = _cpu_rng_get
     module._set_cuda_rng_state = _cpu_rng_set
+    # So every random draw inside the tracker's fork (the Mamba layer initializes there) changes
+    # "the CPU state" and the tracker logs that as a problem, once per draw: expected here.
+    logging.getLogger(module.__name__).addFilter(
+        lambda record: record.getMessage() != "CPU RNG state changed within GPU RNG context")
 
 
 def _patch_inference_communication(module):

@@ -164,6 +164,20 @@ def _mamba_without_kernels(module):
     module.HAVE_MAMBA_SSM = True
 
 
+def _mamba_stack_final_norm(module):
+    """MambaStack builds its final norm as TENorm, which raises without Transformer Engine; build
+    the norm of our local spec there instead."""
+    if module.TENorm.__module__ != "megatron.core.extensions.transformer_engine":
+        return
+    from megatron.core.extensions import transformer_engine
+
+    if transformer_engine.HAVE_TE:
+        return
+    from model_providers.norm import Norm
+
+    module.TENorm = Norm
+
+
 def apply():
     import importlib.util
 
@@ -171,6 +185,7 @@ def apply():
         hooks.substitute("megatron.core.inference.contexts.attention_context.triton.tensor_ops",
                          "megatron_rl.platform.mamba_ops")
     hooks.on_import("megatron.core.ssm.mamba_mixer", _mamba_without_kernels)
+    hooks.on_import("megatron.core.ssm.mamba_block", _mamba_stack_final_norm)
     hooks.on_import("megatron.core.optimizer.distrib_optimizer", _fix_distrib_optimizer)
     hooks.on_import("megatron.core.transformer.multi_latent_attention", _fix_mla_te_check)
     hooks.on_import("megatron.core.transformer.moe.moe_utils", _fix_router_gemm)

@@ -1,0 +1,65 @@
+"""Nemotron-H hybrids (Mamba-2, attention, MLP and MoE layers) in training: SFT at TP2 + SP, PP2, CP2
+and EP2 gives the single-process losses from the same weights, and a hybrid config that cannot work
+is refused in one sentence. (Logits and HF round trips: tests/test_convert.py; the kernels:
+tests/test_mamba_ops.py.)"""
+
+import pytest
+
+from megatron_rl.checkpointing import checkpoint_dir
+from megatron_rl.config import ConfigError, apply_overrides
+from recipes import get_recipe
+from tests.helpers import column, run_recipes, run_train
+
+FAST = ["data.num_train=1000", "data.micro_batch_size=16", "data.global_batch_size=32", "data.num_val=64",
+        "train.eval_every=0", "scheduler.decay_steps=100", "logging.progress=false", "logging.tensorboard=false",
+        "checkpoint.save=false"]
+
+
+def test_hybrid_sft_layouts_match_single_process(tmp_path):
+    run_train(["--recipe", "tiny_nemotron_h_sft", *FAST, "train.max_steps=1", "checkpoint.save=true",
+               f"logging.run_dir={tmp_path / 'init'}"])
+    start = ["--recipe", "tiny_nemotron_h_sft", *FAST, f"checkpoint.load={checkpoint_dir(tmp_path / 'init', 1)}",
+             "train.max_steps=3"]
+    run_train([*start, f"logging.run_dir={tmp_path / 'single'}"])
+    layouts = {"tp2-sp": ["parallel.tp=2", "parallel.sp=true"], "pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"],
+               "ep2": ["parallel.ep=2"]}
+    run_recipes([[*start, *layout, f"logging.run_dir={tmp_path / name}"] for name, layout in layouts.items()], nproc=2)
+    single = tmp_path / "single"
+    for name in layouts:
+        assert column(tmp_path / name, "train/loss") == pytest.approx(column(single, "train/loss"), rel=1e-5), name
+        assert column(tmp_path / name, "train/grad_norm") == pytest.approx(column(single, "train/grad_norm"),
+                                                                           rel=1e-4), name
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["model.hybrid_pattern=M*M-M"], 1, "model.hybrid_pattern has 5 layers but model.num_layers=6; give one symbol "
+                                        "per layer."),
+    (["model.hybrid_pattern=M*M-MX"], 1, "model.hybrid_pattern has 'X', not a layer symbol; use 'M' (Mamba-2), '*' "
+                                         "(attention), '-' (MLP), 'E' (MoE)."),
+    (["model.mamba_num_heads=7"], 1, "model.mamba_num_heads=7 is not divisible by model.mamba_num_groups=2."),
+    (["model.mamba_num_groups=1", "parallel.tp=2", "parallel.sp=true"], 2,
+     "model.mamba_num_groups=1 is not divisible by parallel.tp=2; choose a tp that divides it."),
+    (["parallel.pp=2", "parallel.vpp=3"], 2, "a hybrid model (model.hybrid_pattern) cannot use a virtual pipeline "
+                                             "(megatron-core's MambaStack refuses it): set parallel.vpp=1."),
+    (["model.num_experts=0"], 1, "model.hybrid_pattern has MoE layers ('E'): set model.num_experts and "
+                                 "model.moe_ffn_hidden_size."),
+])
+def test_bad_hybrid_configs(overrides, world, message):
+    cfg = apply_overrides(get_recipe("tiny_nemotron_h_sft"), overrides)
+    with pytest.raises(ConfigError) as e:
+        cfg.validate(world_size=world)
+    assert str(e.value) == message
+
+
+def test_hybrid_checkpoint_without_mamba_fields(tmp_path):
+    import json
+
+    from megatron_rl.hf import model_config_from_hf
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["NemotronHForCausalLM"], "hybrid_override_pattern": "M*", "hidden_size": 32,
+        "num_attention_heads": 4, "vocab_size": 50, "mamba_num_heads": 4}))
+    with pytest.raises(ConfigError) as e:
+        model_config_from_hf(tmp_path)
+    assert str(e.value) == ("config.json has Mamba layers but lacks mamba_head_dim, n_groups, ssm_state_size, "
+                            "conv_kernel; it is not a complete NemotronH config.")
