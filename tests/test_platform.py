@@ -405,10 +405,11 @@ def test_cuda_connections_warning(monkeypatch, capability, tp, cp, env, warns):
     assert bool(platform.check_cuda_connections(tp, cp, env=env)) == warns
 
 
-# megatron-core's Mamba layer on a machine without mamba_ssm, causal_conv1d and Triton: each fix
-# (the torch kernels for the mixer, our tensor helpers in place of the Triton module it imports)
-# is undone in turn and building or running the layer must then fail.
-MAMBA_MIXER = """
+# megatron-core's hybrid model on a machine without mamba_ssm, causal_conv1d, Triton and Transformer
+# Engine: each fix (the torch kernels for the Mamba mixer, our tensor helpers in place of the Triton
+# module it imports, our norm for MambaStack's TE-only final norm) is undone in turn and building or
+# running the model must then fail.
+HYBRID = """
 import sys, torch
 from megatron_rl import platform
 from megatron_rl.platform import fixes, hooks
@@ -418,27 +419,27 @@ if __name__ == "__main__":
         hooks._BY_NAME["megatron.core.ssm.mamba_mixer"].remove(fixes._mamba_without_kernels)
     if "triton" in sys.argv:
         hooks._SUBSTITUTES.clear()
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer import TransformerConfig
+    if "final_norm" in sys.argv:
+        hooks._BY_NAME["megatron.core.ssm.mamba_block"].remove(fixes._mamba_stack_final_norm)
+    from megatron_rl.config import Config
+    from megatron_rl.training.setup import build_model
+    from recipes.tiny import tiny_nemotron_h_model
 
     platform.init_distributed()
     platform.init_model_parallel()
-    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, mamba_state_dim=4,
-                               mamba_head_dim=4, mamba_num_groups=2, mamba_num_heads=4, use_cpu_initialization=True)
-    mixer = MambaMixer(config, MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
-                       d_model=16, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
-    print(mixer(torch.randn(5, 1, 16))[0].shape)
+    model = tiny_nemotron_h_model()
+    model.vocab_size = 16
+    chunks, _ = build_model(Config(model=model), wrap_ddp=False)
+    print(chunks[0](torch.randint(0, 16, (1, 8)), torch.arange(8)[None], None).shape)
 """
 
 
-@pytest.mark.parametrize("fix", ["kernels", "triton"])
-def test_mamba_fix_is_needed(fix, tmp_path):
+def test_hybrid_fixes_are_needed(tmp_path):
     import importlib.util
 
-    if importlib.util.find_spec("mamba_ssm" if fix == "kernels" else "triton") is not None:
-        pytest.skip(f"this machine has {'mamba_ssm' if fix == 'kernels' else 'triton'}")
-    assert _run_script(MAMBA_MIXER, tmp_path, fix).returncode != 0, f"the {fix} fix is not needed any more"
-    proc = _run_script(MAMBA_MIXER, tmp_path)
+    needs = {"kernels": "mamba_ssm", "triton": "triton", "final_norm": "transformer_engine"}
+    for fix, package in needs.items():
+        if importlib.util.find_spec(package) is None:
+            assert _run_script(HYBRID, tmp_path, fix).returncode != 0, f"the {fix} fix is not needed any more"
+    proc = _run_script(HYBRID, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
