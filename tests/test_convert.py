@@ -76,7 +76,7 @@ def test_round_trip_is_bit_exact(family, models, one_process, tmp_path):
     assert set(index["weight_map"]) == set(safetensors_of(models[family]))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3", "nemotron"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3", "nemotron", "nemotron_h"])
 def test_greedy_generation_matches_transformers(family, models, one_process, tmp_path):
     """Greedy decoding of the Megatron model (a plain loop, full forward per token) equals
     transformers' generate on the exported model."""
@@ -97,7 +97,7 @@ def test_greedy_generation_matches_transformers(family, models, one_process, tmp
     assert len(set(tokens[0, 5:].tolist())) > 2  # it generates something, not one token repeated
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3", "nemotron"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3", "nemotron", "nemotron_h"])
 def test_rollout_engine_matches_full_forward(family, models, one_process):
     """megatron-core's dynamic engine (paged KV cache, platform/paged_attention.py without
     flash-attn) on the imported model: its greedy tokens are the full forward's argmax, and its

@@ -299,3 +299,20 @@ def test_megatron_mamba_mixer_equals_transformers_on_every_path(one_process):
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=11, max_seqlen_kv=11)
         both, _ = ours(torch.cat([x, y], 1).transpose(0, 1), packed_seq_params=packed)
         _close(both.transpose(0, 1), torch.cat([expected, hf(y)], 1), tol=1e-4)
+
+
+def test_decode_padding_slots_touch_no_state():
+    """The dynamic engine pads a decode step's batch with slot index -1: those rows must neither read
+    nor write any request's state (Python's index -1 would be the last request's), and output 0."""
+    inp = _inputs(length=1, batch=3, seed=8)
+    pool, rows = torch.randn(4, H, P, N), torch.tensor([3, -1, 0])
+    before = pool.clone()
+    A = inp["A"][:, None, None].expand(H, P, N)
+    y = ops.selective_state_update(pool, inp["x"][:, 0], inp["dt"][:, 0, :, None].expand(3, H, P), A, inp["B"][:, 0],
+                                   inp["C"][:, 0], dt_softplus=True, state_batch_indices=rows)
+    assert torch.equal(pool[1:3], before[1:3]) and not torch.equal(pool[3], before[3])
+    assert torch.equal(y[1], torch.zeros(H, P))
+    conv = torch.randn(4, 6, 4)
+    kept = conv.clone()
+    out = ops.causal_conv1d_update(torch.randn(3, 6), conv, torch.randn(6, 4), None, "silu", conv_state_indices=rows)
+    assert torch.equal(conv[1:3], kept[1:3]) and torch.equal(out[1], torch.zeros(6))

@@ -196,7 +196,8 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
                          conv_state_indices=None):
     """Decode: x (batch, dim) or (batch, dim, seqlen) new inputs after each request's conv_state
     (batch_state, dim, state_len >= width - 1, updated in place: shifted left, the inputs at the
-    end), at rows conv_state_indices (batch,) if given. Returns the outputs, shaped like x."""
+    end), at rows conv_state_indices (batch,) if given (-1: padding, no state, output 0). Returns the
+    outputs, shaped like x."""
     assert cache_seqlens is None, "circular conv states (cache_seqlens) are not supported"
     assert activation in (None, "silu", "swish")
     single = x.dim() == 2
@@ -204,10 +205,13 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
     rows = conv_state_indices.long() if conv_state_indices is not None else torch.arange(xs.shape[0],
                                                                                         device=x.device)
     width, length = weight.shape[1], xs.shape[2]
-    window = torch.cat([conv_state[rows], xs.to(conv_state.dtype)], dim=2)  # (batch, dim, state_len + seqlen)
+    out = torch.zeros_like(xs)
+    real = (rows >= 0).nonzero()[:, 0]  # index -1 is a padding slot: no state to read or write
+    rows = rows[real]
+    window = torch.cat([conv_state[rows], xs[real].to(conv_state.dtype)], dim=2)  # (batch, dim, state_len + seqlen)
     conv_state[rows] = window[:, :, -conv_state.shape[2]:]
-    out = causal_conv1d_fn(window[:, :, -(width - 1 + length):].to(x.dtype), weight, bias,
-                           activation=activation)[:, :, width - 1:]
+    out[real] = causal_conv1d_fn(window[:, :, -(width - 1 + length):].to(x.dtype), weight, bias,
+                                 activation=activation)[:, :, width - 1:]
     return out[:, :, 0] if single else out
 
 
@@ -225,7 +229,7 @@ def causal_conv1d_varlen_states(x, cu_seqlens, state_len):
 def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
                            state_batch_indices=None):
     """One decode step of the scan, updating `state` in place at rows state_batch_indices (all rows
-    in order if None). With heads: state (batch, nheads, dim, dstate), x and dt (batch, nheads, dim),
+    in order if None; a row index of -1 marks padding, which reads and writes no state and outputs 0). With heads: state (batch, nheads, dim, dstate), x and dt (batch, nheads, dim),
     A (nheads, dim, dstate), B and C (batch, ngroups, dstate), D and dt_bias (nheads, dim), z like x;
     without, the nheads axis is absent. Returns (batch, nheads, dim) (or (batch, dim))."""
     if x.dim() == 2:  # no head axis: one head
@@ -235,6 +239,9 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
         return out[:, 0]
     rows = state_batch_indices.long() if state_batch_indices is not None else torch.arange(x.shape[0],
                                                                                            device=x.device)
+    batch = x.shape[0]
+    real = (rows >= 0).nonzero()[:, 0]  # index -1 is a padding slot: no state to read or write
+    rows, x, dt, B, C = rows[real], x[real], dt[real], B[real], C[real]
     heads = x.shape[1]
     dt = _dt(dt, dt_bias, dt_softplus, (0.0, float("inf")))  # (b, h, p)
     Bh, Ch = (_heads(t.float(), heads) for t in (B, C))  # (b, h, n)
@@ -244,8 +251,10 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     if D is not None:
         y = y + x.float() * D.float()
     if z is not None:
-        y = y * F.silu(z.float())
-    return y.to(x.dtype)
+        y = y * F.silu(z[real].float())
+    out = torch.zeros(batch, *y.shape[1:], dtype=x.dtype, device=x.device)
+    out[real] = y.to(x.dtype)
+    return out
 
 
 def rmsnorm_fn(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True):

@@ -133,6 +133,14 @@ def kv_cache_layout(m) -> tuple[int, int]:
     return m.num_query_groups or m.num_attention_heads, m.head_dim or m.hidden_size // m.num_attention_heads
 
 
+def _mamba_states(chunks):
+    """A hybrid's per-request Mamba state shapes and this rank's layer kinds, for the engine's context
+    (megatron's dynamic context keeps each Mamba layer's convolution and SSM state per request)."""
+    from megatron.core.utils import get_mamba_inference_state_config_from_model
+
+    return get_mamba_inference_state_config_from_model(chunks[0])
+
+
 def _drop_inference_buffers():
     """megatron's global memory buffer (the sequence-parallel all-gather's scratch space) grows
     lazily; what it allocated during the rollout are inference tensors, which training may not
@@ -182,7 +190,8 @@ class RolloutEngine:
             params_dtype=dtype, num_layers=layers, kv_channels=kv_channels, num_attention_heads=heads,
             max_sequence_length=rollout.max_sequence_length, buffer_size_gb=rollout.kv_cache_gb,
             max_requests=rollout.max_requests, block_size_tokens=rollout.block_size_tokens,
-            max_tokens=rollout.max_tokens, materialize_only_last_token_logits=True)
+            max_tokens=rollout.max_tokens, materialize_only_last_token_logits=True,
+            mamba_inference_state_config=_mamba_states(unwrapped) if m.hybrid_pattern else None)
         wrapper_config = InferenceWrapperConfig(
             hidden_size=m.hidden_size, params_dtype=dtype, inference_batch_times_seqlen_threshold=-1,
             padded_vocab_size=padded_vocab_size(m.vocab_size), inference_max_requests=rollout.max_requests,
