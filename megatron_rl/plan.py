@@ -125,8 +125,12 @@ def _is_expert(param) -> bool:
     return not getattr(param, "allreduce", True)  # megatron marks expert parameters allreduce=False
 
 
-def _layers(chunks) -> int:
-    return sum(len(getattr(c, "module", c).decoder.layers) for c in chunks)  # under Float16Module for bf16
+def _layer_kinds(chunks) -> str:
+    """This rank's layers, one symbol each as in model.hybrid_pattern ('*' for every layer of a
+    model that is not a hybrid)."""
+    decoders = [getattr(c, "module", c).decoder for c in chunks]  # under Float16Module for bf16
+    return "".join("".join(d.layer_type_list) if hasattr(d, "layer_type_list") else "*" * len(d.layers)
+                   for d in decoders)
 
 
 def activation_bytes(cfg: Config, layers: int, stage: int) -> int:
@@ -149,13 +153,26 @@ def activation_bytes(cfg: Config, layers: int, stage: int) -> int:
     return (layers * per_layer // split) * in_flight + recomputed + logits
 
 
-def kv_cache_bytes(cfg: Config, layers: int) -> int:
-    """The rollout engine's KV cache on one rank: all max_requests at max_sequence_length, or the
-    configured reservation (rollout.kv_cache_gb) if larger. The per-token size is what our engine
-    asks megatron's dynamic context for (MLA caches full keys/values per head)."""
+def kv_cache_bytes(cfg: Config, kinds: str) -> int:
+    """The rollout engine's KV cache on one rank, whose layers are `kinds`: all max_requests at
+    max_sequence_length, or the configured reservation (rollout.kv_cache_gb) if larger. The per-token
+    size is what our engine asks megatron's dynamic context for (MLA caches full keys/values per
+    head); a hybrid caches keys and values in its attention layers only, and each request's
+    convolution and SSM states in its Mamba layers."""
     r = cfg.rollout
-    needed = kv_bytes_per_token(cfg, layers) * r.max_requests * r.max_sequence_length
+    needed = (kv_bytes_per_token(cfg, kinds.count("*")) * r.max_sequence_length
+              + mamba_state_bytes(cfg) * kinds.count("M")) * r.max_requests
     return max(needed, int(r.kv_cache_gb * 1024**3))
+
+
+def mamba_state_bytes(cfg: Config) -> int:
+    """One request's state in one Mamba layer on one rank: the convolution's last inputs (x, B, C
+    channels x kernel width) and the SSM state (heads x head dim x state size), in the model dtype
+    (megatron's dynamic context keeps both so)."""
+    m, tp = cfg.model, cfg.parallel.tp
+    conv = (m.mamba_num_heads * m.mamba_head_dim + 2 * m.mamba_num_groups * m.mamba_state_dim) // tp
+    ssm = m.mamba_num_heads // tp * m.mamba_head_dim * m.mamba_state_dim
+    return (conv * m.mamba_conv_kernel + ssm) * _dtype_bytes(cfg)
 
 
 def kv_bytes_per_token(cfg: Config, layers: int) -> int:
@@ -177,14 +194,15 @@ def plan(cfg: Config, world_size: int = 0, gpu: str = "h100") -> Plan:
     state, host_state = optimizer_bytes_per_param(cfg)
     result = Plan(cfg.recipe, world_size, gpu)
     stages, dense_total, expert_total = _parameter_counts(cfg, world_size)
-    for stage, (rank, n, experts, layers) in enumerate(stages):
+    for stage, (rank, n, experts, kinds) in enumerate(stages):
+        layers = len(kinds)
         shard = (lambda k, group: k // group) if cfg.optimizer.distributed else (lambda k, group: k)
         sharded = shard(n - experts, dp) + shard(experts, expert_dp)
         result.stages.append(StagePlan(
             stage=stage, rank=rank, layers=layers, params=n, expert_params=experts, weights=n * wbytes,
             grads=n * 4,  # gradients are reduced and kept in fp32 (grad_reduce_in_fp32)
             optimizer=int(state * sharded), activations=activation_bytes(cfg, layers, stage),
-            kv_cache=kv_cache_bytes(cfg, layers), host=int(host_state * sharded)))
+            kv_cache=kv_cache_bytes(cfg, kinds), host=int(host_state * sharded)))
     m = cfg.model
     result.total_params = dense_total + expert_total
     routed = m.moe_topk / m.num_experts if m.num_experts else 1.0
@@ -197,7 +215,7 @@ _COUNTS: dict[str, tuple] = {}
 
 
 def _parameter_counts(cfg: Config, world_size: int) -> tuple[list[tuple[int, int, int, int]], int, int]:
-    """Per pipeline stage (its first rank, its parameters, of which in experts, its layers), and the
+    """Per pipeline stage (its first rank, its parameters, of which in experts, its layers' kinds), and the
     whole model's dense and expert parameters. They depend on the architecture and the layout only,
     so `fit` builds each layout once however many memory settings it tries."""
     p = cfg.parallel
@@ -209,7 +227,7 @@ def _parameter_counts(cfg: Config, world_size: int) -> tuple[list[tuple[int, int
             chunks = _build_on_meta(cfg, rank, world_size)
             params = [q for c in chunks for q in c.parameters()]
             stages.append((rank, sum(q.numel() for q in params), sum(q.numel() for q in params if _is_expert(q)),
-                           _layers(chunks)))
+                           _layer_kinds(chunks)))
             # The whole model: TP-sharded parameters exist tp times, experts ep x etp times.
             for q in params:
                 if _is_expert(q):

@@ -213,3 +213,14 @@ def tiny_nemotron_h_sft() -> Config:
     cfg = tiny_sft()
     cfg.model = tiny_nemotron_h_model()
     return cfg
+
+
+@register
+def tiny_nemotron_h_grpo() -> Config:
+    """GRPO of the tiny hybrid from tiny_nemotron_h_sft's checkpoint, rolled out with Mamba states in the
+    engine, with router replay on its MoE layer."""
+    cfg = tiny_grpo()
+    cfg.model = tiny_nemotron_h_model()
+    cfg.algorithm.router_replay = True
+    cfg.checkpoint.load = "runs/tiny_nemotron_h_sft"
+    return cfg

@@ -63,3 +63,15 @@ def test_hybrid_checkpoint_without_mamba_fields(tmp_path):
         model_config_from_hf(tmp_path)
     assert str(e.value) == ("config.json has Mamba layers but lacks mamba_head_dim, n_groups, ssm_state_size, "
                             "conv_kernel; it is not a complete NemotronH config.")
+
+
+def test_frozen_router_gets_no_gradient(one_process):
+    """model.moe_router_frozen: the routers keep their weights (no gradient buffer, nothing for the
+    optimizer), every other parameter trains."""
+    from megatron_rl.training.setup import build_model
+
+    cfg = apply_overrides(get_recipe("tiny_nemotron_h_sft"), ["model.moe_router_frozen=true", "model.vocab_size=16"])
+    chunks, _ = build_model(cfg)
+    frozen = {n for n, p in chunks[0].named_parameters() if not p.requires_grad}
+    assert frozen and all(n.endswith("mlp.router.weight") for n in frozen)
+    assert all(not n.endswith("router.weight") for n, p in chunks[0].named_parameters() if p.requires_grad)

@@ -61,7 +61,8 @@ def test_recipe_architecture_is_the_published_model(recipe, hf, tmp_path):
 LARGE = {  # recipe -> published parameter count in billions (DeepSeek-V3 without its MTP layer)
     "llama32_1b_sft": 1.2, "llama32_1b_grpo": 1.2, "qwen25_32b_grpo": 32.8, "qwen3_30b_a3b_grpo": 30.5,
     "qwen3_30b_a3b_grpo_gb200": 30.5, "qwen3_235b_a22b_grpo": 235.1, "qwen3_235b_a22b_grpo_gb200": 235.1,
-    "mixtral_8x7b_grpo": 46.7, "deepseek_v3_grpo": 671.0, "deepseek_v3_grpo_gb200": 671.0, "nemotron_grpo": 341.0}
+    "mixtral_8x7b_grpo": 46.7, "deepseek_v3_grpo": 671.0, "deepseek_v3_grpo_gb200": 671.0, "nemotron4_340b_grpo": 341.0,
+    "nemotron_grpo": 31.6, "nemotron_grpo_gb200": 31.6, "nemotron_h_8b_grpo": 8.1}
 
 
 def _plan(*args) -> subprocess.CompletedProcess:
@@ -90,12 +91,12 @@ def test_every_large_recipe_fits_its_gpus_as_its_docstring_says():
     assert "(a100, 80 GB each)" in reports["qwen25_32b_grpo"] and "(gb200, 186 GB each)" in reports["deepseek_v3_grpo_gb200"]
 
 
-def test_nemotron_gb200_layout_in_its_docstring_fits():
+def test_nemotron4_gb200_layout_in_its_docstring_fits():
     import recipes.nemotron
 
-    doc = " ".join(recipes.nemotron.nemotron_grpo.__doc__.split())
+    doc = " ".join(recipes.nemotron.nemotron4_340b_grpo.__doc__.split())
     assert "parallel.pp=6 parallel.dp=2 with --world-size 96" in doc
-    proc = _plan("--recipe", "nemotron_grpo", "--gpu", "gb200", "--world-size", "96", "parallel.pp=6", "parallel.dp=2")
+    proc = _plan("--recipe", "nemotron4_340b_grpo", "--gpu", "gb200", "--world-size", "96", "parallel.pp=6", "parallel.dp=2")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
@@ -106,12 +107,13 @@ def test_hardware_variants_choose_their_fp8():
 
     for name, recipe in [("qwen3_235b_a22b_grpo", "blockwise"), ("deepseek_v3_grpo", "blockwise"),
                          ("qwen3_30b_a3b_grpo_gb200", "mxfp8"), ("qwen3_235b_a22b_grpo_gb200", "mxfp8"),
-                         ("deepseek_v3_grpo_gb200", "mxfp8")]:
+                         ("deepseek_v3_grpo_gb200", "mxfp8"), ("nemotron_grpo_gb200", "mxfp8")]:
         cfg = get_recipe(name)
         assert (cfg.fp8.format, cfg.fp8.recipe, cfg.algorithm.mismatch_correction) == ("hybrid", recipe,
                                                                                         "token_truncate"), name
         assert recipe_gpu(name) == ("gb200" if name.endswith("_gb200") else "h100")
-    for name in ("qwen3_30b_a3b_grpo", "qwen25_32b_grpo", "llama32_1b_grpo", "mixtral_8x7b_grpo", "nemotron_grpo"):
+    for name in ("qwen3_30b_a3b_grpo", "qwen25_32b_grpo", "llama32_1b_grpo", "mixtral_8x7b_grpo", "nemotron_grpo",
+                 "nemotron_h_8b_grpo", "nemotron4_340b_grpo"):
         assert get_recipe(name).fp8.format == "off", name
     assert recipe_gpu("qwen25_32b_grpo") == "a100"
 

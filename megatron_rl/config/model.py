@@ -89,6 +89,9 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.0
     moe_router_dtype: Literal["fp32", "fp64", "model"] = "fp32"
     """Precision of the router's logits and probabilities; 'model' uses the model's dtype."""
+    moe_router_frozen: bool = False
+    """Keep the router's weights as loaded (NeMo RL's freeze_moe_router): RL then moves the experts,
+    not which experts a token goes to."""
     moe_capacity_factor: float = 0.0
     """Tokens per expert are capped at this factor times the even share; 0 means no dropping."""
     moe_dispatcher: Literal["allgather", "alltoall"] = "allgather"
@@ -163,7 +166,7 @@ class ModelConfig:
 
     TRAINING_CHOICES: ClassVar[tuple[str, ...]] = (
         "hf_path", "head", "init_method_std", "moe_aux_loss_type", "moe_aux_loss_coeff", "moe_expert_bias_update_rate",
-        "moe_router_dtype", "moe_capacity_factor", "moe_dispatcher")
+        "moe_router_dtype", "moe_router_frozen", "moe_capacity_factor", "moe_dispatcher")
     """Fields that are choices of a training run rather than of the architecture: a checkpoint or HF
     model does not fix them."""
 

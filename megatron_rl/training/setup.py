@@ -59,6 +59,11 @@ def build_model(cfg: Config, wrap_ddp: bool = True, meta: bool = False):
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             vp_stage=stage,
         ))
+    if cfg.model.moe_router_frozen:  # before DDP, which gives gradient buffers to trainable parameters only
+        for chunk in chunks:
+            for name, param in chunk.named_parameters():
+                if name.endswith("mlp.router.weight"):
+                    param.requires_grad_(False)
     if torch.cuda.is_available() and not meta:
         for chunk in chunks:
             chunk.cuda(torch.cuda.current_device())
