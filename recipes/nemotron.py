@@ -51,9 +51,7 @@ def nemotron_grpo_gb200() -> Config:
 
     Planner: fits, 91.6 of 186 GB on the fullest rank.
     """
-    cfg = on_gb200(nemotron_grpo(), dp=4)
-    cfg.algorithm.prompts_per_step = 32
-    return cfg
+    return on_gb200(nemotron_grpo(), prompts_per_step=32, dp=4)
 
 
 @register

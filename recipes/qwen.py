@@ -29,9 +29,7 @@ def qwen3_30b_a3b_grpo_gb200() -> Config:
 
     Planner: fits, 92.3 of 186 GB on the fullest rank.
     """
-    cfg = on_gb200(qwen3_30b_a3b_grpo(), dp=4)
-    cfg.algorithm.prompts_per_step = 32
-    return cfg
+    return on_gb200(qwen3_30b_a3b_grpo(), prompts_per_step=32, dp=4)
 
 
 @register
