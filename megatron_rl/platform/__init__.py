@@ -23,12 +23,15 @@ def has_cuda() -> bool:
 # megatron-core saying at import that it falls back to torch where Transformer Engine or apex is
 # absent (the CPU, GPUs without the extras); its advice to set CUDA_DEVICE_MAX_CONNECTIONS, which
 # check_cuda_connections gives where it applies (Ampere, Hopper; never the CPU); and torch
-# deprecating collectives megatron-core calls (all_gather_into_tensor, reduce_scatter_tensor).
+# deprecating collectives megatron-core calls (all_gather_into_tensor, reduce_scatter_tensor) and
+# the ShardedTensor and load_state_dict its checkpoints use.
 for _message, _module in ((r"Transformer Engine and Apex are not installed", r"megatron\.core"),
                           (r"Apex is not installed", r"megatron\.core"),
                           (r"Transformer Engine is not installed", r"megatron\.core"),
                           (r".*recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS", r"megatron\.core"),
-                          (r"`torch\.distributed\.\w+` is deprecated", r"torch\.distributed")):
+                          (r"`torch\.distributed\.\w+` is deprecated", r"torch\.distributed"),
+                          (r"Please use DTensor instead and we are deprecating ShardedTensor", r"torch\.distributed"),
+                          (r"`load_state_dict` is deprecated", r"megatron\.core\.dist_checkpointing")):
     warnings.filterwarnings("ignore", message=_message, module=_module + r"(\.|$)")
 
 # Before any megatron.core import anywhere, so every megatron module is patched as it loads.
