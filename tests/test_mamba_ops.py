@@ -316,3 +316,22 @@ def test_decode_padding_slots_touch_no_state():
     kept = conv.clone()
     out = ops.causal_conv1d_update(torch.randn(3, 6), conv, torch.randn(6, 4), None, "silu", conv_state_indices=rows)
     assert torch.equal(conv[1:3], kept[1:3]) and torch.equal(out[1], torch.zeros(6))
+
+
+def test_padding_tokens_carry_no_input():
+    """megatron's dynamic engine marks padding tokens with seq_idx -1, and their rows may hold
+    uninitialized memory: NaN there must not reach any real token (a masked product 0 x NaN would)."""
+    inp = _inputs(length=12, seed=9)
+    seq_idx = torch.tensor([[0] * 5 + [1] * 4 + [-1] * 3], dtype=torch.int32)
+    dirty = {k: v.clone() for k, v in inp.items()}
+    for k in ("x", "B", "C", "dt"):
+        dirty[k][:, 9:] = float("nan")
+    run = lambda d: ops.mamba_chunk_scan_combined(d["x"], d["dt"], d["A"], d["B"], d["C"], 4, D=d["D"],  # noqa: E731
+                                                  dt_bias=d["dt_bias"], seq_idx=seq_idx, dt_softplus=True)
+    assert torch.equal(run(dirty)[:, :9], run(inp)[:, :9]) and run(dirty)[:, :9].isfinite().all()
+    x = torch.randn(1, 6, 12)
+    x_dirty = x.clone()
+    x_dirty[:, :, 9:] = float("nan")
+    weight = torch.randn(6, 4)
+    assert torch.equal(ops.causal_conv1d_fn(x_dirty, weight, seq_idx=seq_idx, activation="silu")[:, :, :9],
+                       ops.causal_conv1d_fn(x, weight, seq_idx=seq_idx, activation="silu")[:, :, :9])

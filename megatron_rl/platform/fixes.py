@@ -164,6 +164,29 @@ def _mamba_without_kernels(module):
     module.HAVE_MAMBA_SSM = True
 
 
+def _short_chunk_conv_state(module):
+    """Chunked prefill (a prompt longer than an engine step's token budget, continued over steps)
+    stores the chunk's last d_conv inputs as the request's convolution state, zero-padded when the
+    chunk is shorter than d_conv: the earlier chunk's inputs, which the next tokens' convolution
+    still needs, are lost (a final chunk of 1 token leaves 3 zeros). Keep them: the state is the
+    request's last d_conv inputs so far, whatever the chunk's length."""
+    prefill = module.MambaMixer._ssm_prefill
+
+    @functools.wraps(prefill)
+    def fixed(self, zxBCdt, conv_state, ssm_state, *args, is_chunked_prefill=False, batch_indices=None, **kwargs):
+        short = is_chunked_prefill and zxBCdt.shape[0] < self.d_conv
+        before = conv_state[batch_indices].clone() if short else None
+        y = prefill(self, zxBCdt, conv_state, ssm_state, *args, is_chunked_prefill=is_chunked_prefill,
+                    batch_indices=batch_indices, **kwargs)
+        if short:
+            inner = self.cp.d_inner_local_tpcp
+            xBC = zxBCdt[:, 0, inner:2 * inner + 2 * self.cp.ngroups_local_tpcp * self.d_state].T  # (channels, l)
+            conv_state[batch_indices] = torch.cat([before, xBC[None].to(before.dtype)], dim=-1)[..., -self.d_conv:]
+        return y
+
+    module.MambaMixer._ssm_prefill = fixed
+
+
 def _mamba_stack_final_norm(module):
     """MambaStack builds its final norm as TENorm, which raises without Transformer Engine; build
     the norm of our local spec there instead."""
@@ -185,6 +208,7 @@ def apply():
         hooks.substitute("megatron.core.inference.contexts.attention_context.triton.tensor_ops",
                          "megatron_rl.platform.mamba_ops")
     hooks.on_import("megatron.core.ssm.mamba_mixer", _mamba_without_kernels)
+    hooks.on_import("megatron.core.ssm.mamba_mixer", _short_chunk_conv_state)
     hooks.on_import("megatron.core.ssm.mamba_block", _mamba_stack_final_norm)
     hooks.on_import("megatron.core.optimizer.distrib_optimizer", _fix_distrib_optimizer)
     hooks.on_import("megatron.core.transformer.multi_latent_attention", _fix_mla_te_check)

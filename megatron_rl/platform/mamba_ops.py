@@ -64,6 +64,10 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     headdim, dstate) if return_varlen_states."""
     b, length, h, p = x.shape
     dt = _dt(dt, dt_bias, dt_softplus, dt_limit)
+    if seq_idx is not None:  # -1 marks padding (megatron's dynamic engine; its rows may be uninitialized
+        pad = seq_idx < 0    # memory): no input from there, as the kernels load none
+        x, B, C = (t.masked_fill(pad[:, :, None, None], 0) for t in (x, B, C))
+        dt = dt.masked_fill(pad[:, :, None], 0)
     pad = -length % chunk_size
     # padded tokens: dt = 0 (no decay, no input), in the last token's sequence
     xs, Bs, Cs = (F.pad(t.float(), (0, 0, 0, 0, 0, pad)) for t in (x, B, C))
@@ -168,6 +172,8 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
     assert seq_idx is None or initial_states is None, "causal_conv1d: seq_idx and initial_states do not combine"
     b, d, length = x.shape
     width = weight.shape[1]
+    if seq_idx is not None:  # -1 marks padding, whose rows may be uninitialized memory: no input there
+        x = x.masked_fill(seq_idx[:, None, :] < 0, 0)
     before = initial_states if initial_states is not None else x.new_zeros(b, d, width - 1)
     padded = torch.cat([before.to(x.dtype), x], dim=2).float()
     out = bias.float()[None, :, None].expand(b, d, length).clone() if bias is not None else x.new_zeros(
