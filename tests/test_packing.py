@@ -6,7 +6,7 @@ import torch
 
 from megatron_rl.checkpointing import checkpoint_dir
 from megatron_rl.data import packing
-from tests.helpers import column, metrics, run_recipes
+from tests.helpers import column, run_recipes
 
 pytestmark = pytest.mark.xdist_group("packing")  # the tests share one module fixture: one worker runs them
 

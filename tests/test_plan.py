@@ -2,11 +2,9 @@
 layout does not fit (tests/test_recipes.py plans every large recipe)."""
 
 import json
-import re
 import subprocess
 import sys
 
-import pytest
 
 from tests.helpers import ROOT
 

@@ -17,8 +17,8 @@ def test_resume_is_bitwise(tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
     run_train(["--recipe", "tiny_sft", *FAST, "train.max_steps=6", f"logging.run_dir={straight}"])
     run_train(["--recipe", "tiny_sft", *FAST, "train.max_steps=3", f"logging.run_dir={split}"])
-    proc = run_train(["--recipe", "tiny_sft", *FAST, "train.max_steps=6", "checkpoint.resume=true",
-                      f"logging.run_dir={split}"])
+    run_train(["--recipe", "tiny_sft", *FAST, "train.max_steps=6", "checkpoint.resume=true",
+              f"logging.run_dir={split}"])
     assert [r["step"] for r in metrics(split)] == [1, 2, 3, 4, 5, 6]
     assert column(split, "train/loss") == column(straight, "train/loss")  # bitwise
     assert column(split, "train/grad_norm") == column(straight, "train/grad_norm")
