@@ -15,20 +15,39 @@ FAST = ["data.num_train=1000", "data.micro_batch_size=16", "data.global_batch_si
         "checkpoint.save=false"]
 
 
-def test_hybrid_sft_layouts_match_single_process(tmp_path):
+GRPO = ["--recipe", "tiny_nemotron_h_grpo", "train.eval_every=0", "logging.progress=false", "logging.tensorboard=false",
+        "checkpoint.save=false", "data.num_val=64", "data.num_train=1000", "train.max_steps=2"]
+
+
+def test_hybrid_layouts_match_single_process(tmp_path):
+    """SFT at TP2 + SP, PP2, CP2 and EP2, and GRPO (rollouts with Mamba states, router replay) at
+    TP2 + SP and PP2, from the same weights: the single-process losses and gradient norms (GRPO: the
+    same samples)."""
     run_train(["--recipe", "tiny_nemotron_h_sft", *FAST, "train.max_steps=1", "checkpoint.save=true",
                f"logging.run_dir={tmp_path / 'init'}"])
-    start = ["--recipe", "tiny_nemotron_h_sft", *FAST, f"checkpoint.load={checkpoint_dir(tmp_path / 'init', 1)}",
-             "train.max_steps=3"]
-    run_train([*start, f"logging.run_dir={tmp_path / 'single'}"])
+    init = checkpoint_dir(tmp_path / "init", 1)
+    start = ["--recipe", "tiny_nemotron_h_sft", *FAST, f"checkpoint.load={init}", "train.max_steps=3"]
+    grpo = [*GRPO, f"checkpoint.load={init}"]
+    run_recipes([[*start, f"logging.run_dir={tmp_path / 'single'}"],
+                 [*grpo, f"logging.run_dir={tmp_path / 'grpo_single'}"]])
     layouts = {"tp2-sp": ["parallel.tp=2", "parallel.sp=true"], "pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"],
                "ep2": ["parallel.ep=2"]}
-    run_recipes([[*start, *layout, f"logging.run_dir={tmp_path / name}"] for name, layout in layouts.items()], nproc=2)
+    grpo_layouts = ("tp2-sp", "pp2")
+    run_recipes([[*start, *layout, f"logging.run_dir={tmp_path / name}"] for name, layout in layouts.items()]
+                + [[*grpo, *layouts[name], f"logging.run_dir={tmp_path / f'grpo_{name}'}"] for name in grpo_layouts],
+                nproc=2)
     single = tmp_path / "single"
     for name in layouts:
         assert column(tmp_path / name, "train/loss") == pytest.approx(column(single, "train/loss"), rel=1e-5), name
         assert column(tmp_path / name, "train/grad_norm") == pytest.approx(column(single, "train/grad_norm"),
                                                                            rel=1e-4), name
+    single = tmp_path / "grpo_single"
+    for name in grpo_layouts:
+        run = tmp_path / f"grpo_{name}"
+        assert column(run, "rollout/reward_mean") == column(single, "rollout/reward_mean"), name  # the same samples
+        assert column(run, "train/loss") == pytest.approx(column(single, "train/loss"), rel=1e-5, abs=1e-8), name
+        assert column(run, "train/grad_norm") == pytest.approx(column(single, "train/grad_norm"), rel=1e-5), name
+        assert max(column(run, "rollout/logprob_mismatch_max")) <= 1e-5, name
 
 
 @pytest.mark.parametrize("overrides, world, message", [

@@ -136,9 +136,16 @@ def kv_cache_layout(m) -> tuple[int, int]:
 def _mamba_states(chunks):
     """A hybrid's per-request Mamba state shapes and this rank's layer kinds, for the engine's context
     (megatron's dynamic context keeps each Mamba layer's convolution and SSM state per request)."""
+    import dataclasses
+
     from megatron.core.utils import get_mamba_inference_state_config_from_model
 
-    return get_mamba_inference_state_config_from_model(chunks[0])
+    config = get_mamba_inference_state_config_from_model(chunks[0])
+    if config is not None and "*" not in config.layer_type_list:
+        # megatron's context refuses a rank without attention layers, which a pipeline stage of a
+        # hybrid may be: one KV-cache layer after the rank's own, never used, keeps it working
+        config = dataclasses.replace(config, layer_type_list=[*config.layer_type_list, "*"])
+    return config
 
 
 def _drop_inference_buffers():

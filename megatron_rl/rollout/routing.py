@@ -142,6 +142,8 @@ class RoutingTape:
 
         self.mode = "replay" if replay else "observe"
         self.clear_queues()
+        if not self.layers:  # a pipeline stage without MoE layers (a hybrid's, say): nothing to route
+            return
         tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
         default = torch.arange(self.topk)
         for mb in micro:
