@@ -127,3 +127,14 @@ def test_list_recipes_groups_by_family():
         names = re.findall(r"^  (\w+)\s", text, re.M)
         assert names and all(n.startswith(family) for n in names), (family, names)
     assert re.search(r"^  qwen25_32b_grpo +Qwen2\.5-32B\(-Instruct\), GRPO on math", out, re.M)
+
+
+def test_real_model_recipe_without_a_checkpoint_is_one_sentence(tmp_path):
+    """The quick start run as is, before pointing it at a checkpoint: one sentence saying what to set,
+    exit 2, nothing left behind."""
+    proc = run_train(["--recipe", "llama32_1b_grpo", f"logging.run_dir={tmp_path / 'run'}"], check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: data.train_path needs the model's tokenizer: set model.hf_path (a Hugging Face checkpoint, whose "
+        "tokenizer is used) or data.tokenizer."]
+    assert not (tmp_path / "run").exists()

@@ -28,6 +28,9 @@ def load_tokenizer(path: str | Path, pad_token: str = ""):
 
     from megatron_rl.config import ConfigError
 
+    if not str(path):  # Path("") is the current directory
+        raise ConfigError("data.train_path needs the model's tokenizer: set model.hf_path (a Hugging Face checkpoint, "
+                          "whose tokenizer is used) or data.tokenizer.")
     if not Path(path).is_dir():
         raise FileNotFoundError(f"tokenizer directory {str(path)!r} does not exist; set data.tokenizer to an HF tokenizer directory.")
     tok = AutoTokenizer.from_pretrained(str(path))
