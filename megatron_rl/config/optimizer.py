@@ -31,6 +31,13 @@ class OptimizerConfig:
     HybridDeviceOptimizer, copies overlapped with the update): 0 off, 1 all of it. Host memory per
     GPU: 16 bytes per offloaded parameter of its shard. Needs the distributed optimizer and a GPU."""
 
+    def precision_aware_setting(self) -> str:
+        """The setting that runs megatron-core's precision-aware optimizer, as a user writes it
+        ('optimizer.state_dtype=bf16' or 'optimizer.cpu_offload'), or '' when neither is on."""
+        if self.state_dtype == "bf16":
+            return "optimizer.state_dtype=bf16"
+        return "optimizer.cpu_offload" if self.cpu_offload else ""
+
     def validate(self, precision: str = "auto"):
         positive(self, "lr")
         if self.min_lr > self.lr:
@@ -41,8 +48,7 @@ class OptimizerConfig:
         if self.state_dtype == "bf16" and self.cpu_offload:
             raise ConfigError("optimizer.state_dtype=bf16 and optimizer.cpu_offload do not combine (megatron-core's "
                               "offloaded optimizer keeps fp32 state): choose one.")
-        if self.state_dtype == "bf16" or self.cpu_offload:
-            what = "optimizer.state_dtype=bf16" if self.state_dtype == "bf16" else "optimizer.cpu_offload"
+        if what := self.precision_aware_setting():
             if not self.distributed or self.name != "adam":
                 raise ConfigError(f"{what} works on megatron-core's distributed Adam: set optimizer.distributed=true "
                                   "(and optimizer.name=adam).")

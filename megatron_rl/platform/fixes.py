@@ -155,12 +155,12 @@ def _mamba_without_kernels(module):
                 tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
 
     module.ExtendedRMSNorm = ExtendedRMSNorm
-    module.is_mamba_min_version = lambda version, check_equality=True: (
-        Version(mamba_ops.MAMBA_SSM_VERSION) >= Version(version) if check_equality
-        else Version(mamba_ops.MAMBA_SSM_VERSION) > Version(version))
-    module.is_causal_conv1d_min_version = lambda version, check_equality=True: (
-        Version(mamba_ops.CAUSAL_CONV1D_VERSION) >= Version(version) if check_equality
-        else Version(mamba_ops.CAUSAL_CONV1D_VERSION) > Version(version))
+    def min_version(ours):  # megatron's is_*_min_version(version, check_equality), asked of `ours`
+        return lambda version, check_equality=True: (
+            Version(ours) >= Version(version) if check_equality else Version(ours) > Version(version))
+
+    module.is_mamba_min_version = min_version(mamba_ops.MAMBA_SSM_VERSION)
+    module.is_causal_conv1d_min_version = min_version(mamba_ops.CAUSAL_CONV1D_VERSION)
     module.HAVE_MAMBA_SSM = True
 
 
@@ -190,8 +190,6 @@ def _short_chunk_conv_state(module):
 def _mamba_stack_final_norm(module):
     """MambaStack builds its final norm as TENorm, which raises without Transformer Engine; build
     the norm of our local spec there instead."""
-    if module.TENorm.__module__ != "megatron.core.extensions.transformer_engine":
-        return
     from megatron.core.extensions import transformer_engine
 
     if transformer_engine.HAVE_TE:

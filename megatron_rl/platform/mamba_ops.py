@@ -57,17 +57,18 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     x: (batch, seqlen, nheads, headdim); dt: (batch, seqlen, nheads); A: (nheads,);
     B, C: (batch, seqlen, ngroups, dstate); D: (nheads, headdim) or (nheads,); z: like x;
     dt_bias: (nheads,); initial_states: (batch, nheads, headdim, dstate), the state before the first
-    token (which belongs to sequence 0 under seq_idx); seq_idx: (batch, seqlen) int, non-decreasing;
+    token (which belongs to sequence 0 under seq_idx); seq_idx: (batch, seqlen) int, non-decreasing
+    but for -1 on padding tokens;
     cu_seqlens: (num_sequences + 1,), with batch 1, for return_varlen_states.
     Returns out (batch, seqlen, nheads, headdim), then the final states (batch, nheads, headdim,
     dstate) if return_final_states, then each sequence's last state (num_sequences, nheads,
     headdim, dstate) if return_varlen_states."""
     b, length, h, p = x.shape
     dt = _dt(dt, dt_bias, dt_softplus, dt_limit)
-    if seq_idx is not None:  # -1 marks padding (megatron's dynamic engine; its rows may be uninitialized
-        pad = seq_idx < 0    # memory): no input from there, as the kernels load none
-        x, B, C = (t.masked_fill(pad[:, :, None, None], 0) for t in (x, B, C))
-        dt = dt.masked_fill(pad[:, :, None], 0)
+    if seq_idx is not None:    # -1 marks padding (megatron's dynamic engine; its rows may be
+        padding = seq_idx < 0  # uninitialized memory): no input from there, as the kernels load none
+        x, B, C = (t.masked_fill(padding[:, :, None, None], 0) for t in (x, B, C))
+        dt = dt.masked_fill(padding[:, :, None], 0)
     pad = -length % chunk_size
     # padded tokens: dt = 0 (no decay, no input), in the last token's sequence
     xs, Bs, Cs = (F.pad(t.float(), (0, 0, 0, 0, 0, pad)) for t in (x, B, C))

@@ -37,9 +37,9 @@ def check_optimizer(optimizer) -> None:
 
     import torch
 
-    if optimizer.state_dtype == "fp32" and not optimizer.cpu_offload:
+    what = optimizer.precision_aware_setting()
+    if not what:
         return
-    what = "optimizer.state_dtype=bf16" if optimizer.state_dtype == "bf16" else "optimizer.cpu_offload"
     if not torch.cuda.is_available():
         raise ConfigError(f"{what} needs a GPU (megatron-core keeps the optimizer state in GPU memory, which it "
                           "shrinks or moves to the host); on the CPU the state is in host memory already: set "

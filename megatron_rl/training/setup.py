@@ -108,7 +108,7 @@ def build_optimizer(cfg: Config, model: list):
 def _optimizer_memory_kwargs(o) -> dict:
     """optimizer.state_dtype and cpu_offload as megatron-core's OptimizerConfig fields. Its CPU
     offload runs on the precision-aware optimizer's code path, so both turn that on."""
-    if o.state_dtype == "fp32" and not o.cpu_offload:
+    if not o.precision_aware_setting():
         return {}
     import torch
 
