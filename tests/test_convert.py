@@ -97,24 +97,21 @@ def test_greedy_generation_matches_transformers(family, models, one_process, tmp
     assert len(set(tokens[0, 5:].tolist())) > 2  # it generates something, not one token repeated
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3", "nemotron", "nemotron_h"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3", "deepseek_v3_yarn", "nemotron", "nemotron_h"])
 def test_rollout_engine_matches_full_forward(family, models, one_process):
     """megatron-core's dynamic engine (paged KV cache, platform/paged_attention.py without
     flash-attn) on the imported model: its greedy tokens are the full forward's argmax, and its
-    logprobs the full forward's log-softmax (GQA, MoE, partial rotary). Multi-latent attention is
-    refused with a clear message (megatron's dynamic engine needs its latent cache and FlashMLA)."""
+    logprobs the full forward's log-softmax (GQA, MoE, partial rotary, Mamba states, and multi-latent
+    attention from its latent cache, with and without query compression and YaRN)."""
     from transformers import AutoTokenizer
 
     from megatron_rl.config import RolloutConfig
     from megatron_rl.rollout.engine import RolloutEngine
 
     chunks, model = megatron_model(models[family])
-    rollout = RolloutConfig(max_new_tokens=10, max_sequence_length=32, max_requests=4, kv_cache_gb=0.01)
+    rollout = RolloutConfig(max_new_tokens=10, max_sequence_length=32, max_requests=4, kv_cache_gb=0.01,
+                            block_size_tokens=64 if model.multi_latent_attention else 32)
     tokenizer = AutoTokenizer.from_pretrained(str(models[family]))
-    if family == "deepseek_v3":
-        with pytest.raises(ConfigError, match="multi-latent attention models .* not supported yet"):
-            RolloutEngine(chunks, model, tokenizer, rollout, torch.float32)
-        return
     engine = RolloutEngine(chunks, model, tokenizer, rollout, torch.float32, stop_at_eos=False)
     prompts = [TOKENS[0, :5].tolist(), TOKENS[1, :9].tolist()]
     out = engine.generate(prompts, greedy=True)

@@ -8,7 +8,7 @@ import pytest
 from megatron_rl.checkpointing import checkpoint_dir
 from megatron_rl.config import ConfigError, apply_overrides
 from recipes import get_recipe
-from tests.helpers import column, run_recipes, run_train
+from tests.helpers import column, run_recipes, run_train, worst_logprob_mismatch
 
 FAST = ["data.num_train=1000", "data.micro_batch_size=16", "data.global_batch_size=32", "data.num_val=64",
         "train.eval_every=0", "scheduler.decay_steps=100", "logging.progress=false", "logging.tensorboard=false",
@@ -125,20 +125,11 @@ def test_hybrid_rollout_logprobs_equal_training_forward(one_process, tmp_path):
             chunked.append(kwargs.get("is_chunked_prefill", False))
             return kernel(self, *args, **kwargs)
 
-        worst = 0.0
         try:
             mamba_mixer.MambaMixer._ssm_prefill = recording
-            for seed in seeds:
-                out = engine.generate(prompts, seed=seed)
-                for prompt, completion, logprobs in zip(prompts, out.completions, out.logprobs):
-                    with torch.no_grad():
-                        t = torch.tensor([prompt + completion])
-                        logits = chunks[0](t, torch.arange(t.shape[1])[None], None)[0, len(prompt) - 1:-1, :len(tok)]
-                    expected = logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
-                    worst = max(worst, (torch.tensor(logprobs) - expected).abs().max().item())
+            return worst_logprob_mismatch(engine, chunks[0], prompts, seeds, len(tok))
         finally:
             mamba_mixer.MambaMixer._ssm_prefill = prefill
-        return worst
 
     worst = worst_mismatch(range(8), prefill)
     assert any(chunked) and not all(chunked)
@@ -147,6 +138,10 @@ def test_hybrid_rollout_logprobs_equal_training_forward(one_process, tmp_path):
     # without platform.fixes._short_chunk_conv_state: a final prefill chunk shorter than the
     # convolution loses the request's earlier inputs, and the tokens after it go wrong
     assert worst_mismatch(range(1), prefill.__wrapped__) > 1e-3
+    # bf16 rollouts keep the SSM states in fp32 (decode adds to them every token); the convolution
+    # states are copies of bf16 inputs
+    context = RolloutEngine(chunks, model, tok, RolloutConfig(max_requests=2), torch.bfloat16).context
+    assert (context.mamba_ssm_states.dtype, context.mamba_conv_states.dtype) == (torch.float32, torch.bfloat16)
 
 
 def test_tiny_hybrid_grpo_learns_with_router_replay(tmp_path):

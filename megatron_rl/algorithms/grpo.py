@@ -27,7 +27,7 @@ from megatron_rl.data import rl as rl_data
 from megatron_rl.data.sft import Batches, read_jsonl
 from megatron_rl.data.tasks import data_files
 from megatron_rl.rewards import build_scorer
-from megatron_rl.rollout.engine import Rollout, RolloutEngine, check_supported
+from megatron_rl.rollout.engine import Rollout, RolloutEngine
 from megatron_rl.rollout.evaluate import decode, greedy_eval
 from megatron_rl.rollout.routing import RoutingTape, pack_routes, routes_queued
 from megatron_rl.training.logprobs import entropy, mask_padded_vocab, token_logprobs
@@ -217,7 +217,6 @@ def run(cfg: Config, run_dir: Path) -> dict:
     from megatron.core import parallel_state as ps
 
     a, r = cfg.algorithm, cfg.rollout
-    check_supported(cfg.model)
     tokenizer, train_path, val_path = data_files(cfg, run_dir)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = len(tokenizer)

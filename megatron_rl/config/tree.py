@@ -94,6 +94,10 @@ class Config:
         if self.model.hybrid_pattern and self.parallel.cp > 1:
             raise ConfigError("a hybrid model's rollouts need parallel.cp=1 (megatron-core's Mamba decode has no "
                               "context parallelism); train it at cp=1, or use context parallelism for SFT only.")
+        if self.model.multi_latent_attention and r.block_size_tokens != 64:
+            raise ConfigError(f"rollout.block_size_tokens={r.block_size_tokens}: megatron-core's latent KV cache, which "
+                              "multi-latent attention rolls out from, takes 64-token blocks; set "
+                              "rollout.block_size_tokens=64.")
         if a.router_replay and not self.model.num_experts:
             raise ConfigError("algorithm.router_replay=true needs an MoE model (model.num_experts > 0).")
         if self.parallel.cp > 1 and (a.ratio_level == "sequence" or a.mismatch_correction.startswith("sequence")):

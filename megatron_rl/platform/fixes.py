@@ -1,8 +1,9 @@
 """Fixes for megatron-core 0.16.1 bugs that do not depend on the device, only on Transformer
 Engine (or apex) being absent, or on a virtual pipeline during inference: paths megatron does not
-exercise. Each fix is guarded by that condition, so nothing changes elsewhere; tests show each is
-needed (tests/test_platform.py; for the virtual pipeline, tests/test_sft.py's VPP test, whose GRPO
-step fails without it).
+exercise; and the gradient of MLA's rotary key at TP > 1 with the local spec. Each fix is guarded
+by its condition, so nothing changes elsewhere; tests show each is needed (tests/test_platform.py;
+for the virtual pipeline, tests/test_sft.py's VPP test, whose GRPO step fails without it; for MLA,
+tests/test_latent_attention.py's layout test).
 """
 
 import functools
@@ -80,6 +81,60 @@ def _fix_mla_te_check(module):
 
     if not transformer_engine.HAVE_TE:
         module.HAVE_TE = False
+
+
+class _SumGradientOverTensorParallel(torch.autograd.Function):
+    """Identity forward; the backward all-reduces the gradient over the tensor-parallel group.
+    (megatron's copy_to_tensor_model_parallel_region does the same, but all-reduces a contiguous
+    copy of a non-contiguous gradient and returns the original: the sum is lost.)"""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _mla_rotary_key_gradient(module):
+    """Megatron-LM issue #1699, open in 0.16.1: with a column-parallel linear_kv_down_proj (the local
+    spec) and TP > 1, the down projection's output is all-gathered, then split into the latent and
+    the rotary key. Every rank uses the whole rotary key with its own heads, so its gradient is a
+    sum over the ranks, but the gather's backward only splits: the rotary key's weights got one
+    rank's heads' gradient (tiny DeepSeek, TP2 + SP: gradient norm 5% off one process). The rotary
+    channels of the gathered output now sum their gradient over TP; the layer marks its output
+    with their count."""
+    from megatron.core.parallel_state import get_tensor_model_parallel_group
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    gather, init = module.gather_from_tensor_model_parallel_region, module.MLASelfAttention.__init__
+    column_parallel = tuple(c for c in (ColumnParallelLinear, module.TEColumnParallelLinear) if isinstance(c, type))
+
+    @functools.wraps(gather)
+    def gather_(input_, group=None):
+        out = gather(input_, group)
+        rotary = getattr(input_, "mla_rotary_channels", 0)
+        if not rotary:
+            return out
+        latent, key = out.split([out.shape[-1] - rotary, rotary], dim=-1)
+        key = _SumGradientOverTensorParallel.apply(key, group or get_tensor_model_parallel_group())
+        return torch.cat([latent, key], dim=-1)
+
+    def mark(channels, _layer, _inputs, output):
+        output[0].mla_rotary_channels = channels
+
+    @functools.wraps(init)
+    def init_(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if isinstance(self.linear_kv_down_proj, column_parallel) and self.pg_collection.tp.size() > 1:
+            self.linear_kv_down_proj.register_forward_hook(functools.partial(mark, self.config.qk_pos_emb_head_dim))
+
+    module.gather_from_tensor_model_parallel_region = gather_
+    module.MLASelfAttention.__init__ = init_
 
 
 def _fix_router_gemm(module):
@@ -210,6 +265,7 @@ def apply():
     hooks.on_import("megatron.core.ssm.mamba_block", _mamba_stack_final_norm)
     hooks.on_import("megatron.core.optimizer.distrib_optimizer", _fix_distrib_optimizer)
     hooks.on_import("megatron.core.transformer.multi_latent_attention", _fix_mla_te_check)
+    hooks.on_import("megatron.core.transformer.multi_latent_attention", _mla_rotary_key_gradient)
     hooks.on_import("megatron.core.transformer.moe.moe_utils", _fix_router_gemm)
     hooks.on_import("megatron.core.transformer.attention", _paged_attention_without_flash_attn)
     hooks.on_import("megatron.core.transformer.attention", _kv_cache_index_under_vpp)

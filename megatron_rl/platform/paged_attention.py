@@ -83,6 +83,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     mask[..., 0] = True  # padding query rows: attend somewhere rather than to nothing (NaN)
     out = F.scaled_dot_product_attention(padded.transpose(1, 2), keys, values, attn_mask=mask[:, None],
                                          scale=softmax_scale, enable_gqa=keys.shape[1] != q.shape[1])
-    result = torch.zeros_like(q)
+    result = q.new_zeros(*q.shape[:-1], values.shape[-1])  # values may have other channels than keys (MLA)
     result[:n] = out.transpose(1, 2)[requests, pos]
     return result

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_rl.config import ConfigError, RolloutConfig
+from megatron_rl.config import RolloutConfig
 
 
 @dataclass
@@ -126,11 +126,36 @@ def _fast_sampling_controller_class():
 
 
 def kv_cache_layout(m) -> tuple[int, int]:
-    """(heads, channels per head) of each cached token's keys (and values) over all TP ranks.
-    Without latent caching megatron caches MLA's full per-head keys, queries' channel count."""
+    """(heads, channels per head) of each cached token's keys (and values) over all TP ranks; for
+    multi-latent attention, which caches one latent per token (model_providers/latent_attention.py),
+    (1, its channels)."""
     if m.multi_latent_attention:
-        return m.num_attention_heads, m.qk_head_dim + m.qk_pos_head_dim
+        return 1, m.kv_lora_rank + m.qk_pos_head_dim
     return m.num_query_groups or m.num_attention_heads, m.head_dim or m.hidden_size // m.num_attention_heads
+
+
+def _context_class():
+    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+
+    class TraineeContext(DynamicInferenceContext):
+        """megatron-core's dynamic context, keeping a hybrid's SSM states in fp32 whatever the model's
+        dtype: each decode step adds to them, and in bf16 every step would round them, while the
+        training scan carries them in fp32 (transformers keeps them so too). The convolution states
+        are copies of the layer's inputs, exact in the model's dtype.
+
+        The context pads each step's tokens to a multiple of TOKEN_ROUNDER (64: GPU kernels and CUDA
+        graphs like round sizes). On CPU that padding is pure cost once sequences finish: 1 active
+        request would still compute 64 rows. Round to 8 there."""
+
+        if not torch.cuda.is_available():
+            TOKEN_ROUNDER = 8
+
+        def allocate_all_tensors(self, *, is_init: bool) -> None:
+            super().allocate_all_tensors(is_init=is_init)
+            if self.is_hybrid_model and self.mamba_ssm_states.dtype != torch.float32:
+                self.mamba_ssm_states = self.mamba_ssm_states.float()
+
+    return TraineeContext
 
 
 def _mamba_states(chunks):
@@ -159,26 +184,16 @@ def _drop_inference_buffers():
         del buffers[key]
 
 
-def check_supported(m) -> None:
-    """Refuse, before anything is built, a model the engine cannot generate with."""
-    if m.multi_latent_attention:
-        raise ConfigError("rollouts of multi-latent attention models (DeepSeek) are not supported yet: megatron-core's "
-                          "dynamic engine runs MLA only with its latent KV cache (cache_mla_latents) and FlashMLA "
-                          "kernels, which this engine does not set up; train such models with SFT for now.")
-
-
 class RolloutEngine:
     def __init__(self, model_chunks: list, model_cfg, tokenizer, rollout: RolloutConfig, dtype: torch.dtype,
                  stop_at_eos: bool = True):
         """model_chunks: the trainee's model (DDP-wrapped is fine), all of this rank's chunks.
         stop_at_eos=False generates exactly rollout.max_new_tokens tokens (benchmarks)."""
-        from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
         from megatron.core.inference.engines import DynamicInferenceEngine
         from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
         from megatron.core.utils import get_attr_wrapped_model
         from model_providers.builder import padded_vocab_size
 
-        check_supported(model_cfg)
         self.chunks = model_chunks
         unwrapped = [c.module if hasattr(c, "ddp_config") else c for c in model_chunks]
         self.model = unwrapped[0]
@@ -187,18 +202,17 @@ class RolloutEngine:
         self.termination_id = tokenizer.eos_token_id if stop_at_eos else -1
         m = model_cfg
         heads, kv_channels = kv_cache_layout(m)
+        if m.multi_latent_attention:
+            heads = m.num_attention_heads  # unused by the latent cache, but megatron divides it by TP
         layers = sum(len(get_attr_wrapped_model(c, "decoder").layers) for c in unwrapped)  # this rank's (cached)
-        # The context pads each step's tokens to a multiple of TOKEN_ROUNDER (64: GPU kernels and CUDA
-        # graphs like round sizes). On CPU that padding is pure cost once sequences finish: 1 active
-        # request would still compute 64 rows. Round to 8 there.
-        context_class = DynamicInferenceContext if torch.cuda.is_available() else type(
-            "CpuInferenceContext", (DynamicInferenceContext,), {"TOKEN_ROUNDER": 8})
-        self.context = context_class(
+        self.context = _context_class()(
             params_dtype=dtype, num_layers=layers, kv_channels=kv_channels, num_attention_heads=heads,
             max_sequence_length=rollout.max_sequence_length, buffer_size_gb=rollout.kv_cache_gb,
             max_requests=rollout.max_requests, block_size_tokens=rollout.block_size_tokens,
             max_tokens=rollout.max_tokens, materialize_only_last_token_logits=True,
-            mamba_inference_state_config=_mamba_states(unwrapped) if m.hybrid_pattern else None)
+            mamba_inference_state_config=_mamba_states(unwrapped) if m.hybrid_pattern else None,
+            **(dict(cache_mla_latent=True, kv_lora_rank=m.kv_lora_rank, qk_pos_emb_head_dim=m.qk_pos_head_dim)
+               if m.multi_latent_attention else {}))
         wrapper_config = InferenceWrapperConfig(
             hidden_size=m.hidden_size, params_dtype=dtype, inference_batch_times_seqlen_threshold=-1,
             padded_vocab_size=padded_vocab_size(m.vocab_size), inference_max_requests=rollout.max_requests,
