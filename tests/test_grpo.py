@@ -187,27 +187,38 @@ def test_training_forward_supplies_the_old_logprobs(one_process, variant):
     assert without["train/clip_frac"] == 0.0
 
 
+BAD_RETURNS = {"nan": float("nan"), "inf": float("inf"), "none": None, "string": "1.0", "nan_part": {"a": float("nan")}}
+
+
 def _flaky_reward(prompt, completion, metadata):
     if metadata["kind"] == "raise":
         raise ValueError("bad sample")
     if metadata["kind"] == "hang":
         time.sleep(60)
-    return 1.0
+    return BAD_RETURNS.get(metadata["kind"], 1.0)
 
 
-def test_reward_that_raises_or_hangs_is_isolated():
+def test_reward_that_raises_hangs_or_is_not_a_number_is_isolated():
+    """A sample whose reward function raises, hangs, or returns NaN, inf, None or a string (also as a
+    component) is a counted failure with reward 0, never a NaN advantage; the others are scored."""
     from megatron_rl.rewards import RewardRunner
 
     runner = RewardRunner("tests.test_grpo:_flaky_reward", timeout=1.0)
-    kinds = ["ok", "raise", "ok", "hang", "ok"]
+    kinds = ["ok", "raise", "ok", "hang", "ok", *BAD_RETURNS]
     t0 = time.time()
-    scores = runner.score(["p"] * 5, ["c"] * 5, [{"kind": k} for k in kinds])
+    scores = runner.score(["p"] * len(kinds), ["c"] * len(kinds), [{"kind": k} for k in kinds])
     runner.close()
-    assert scores.rewards == [1.0, 0.0, 1.0, 0.0, 1.0]
-    assert scores.failures == 2
+    assert scores.rewards == [1.0, 0.0, 1.0, 0.0, 1.0] + [0.0] * len(BAD_RETURNS)
+    assert scores.failures == 2 + len(BAD_RETURNS)
     assert any("ValueError: bad sample" in e for e in scores.errors)
     assert any("no result within 1 s" in e for e in scores.errors)
     assert time.time() - t0 < 20
+    errors = RewardRunner("tests.test_grpo:_flaky_reward", timeout=5.0)
+    messages = errors.score(["p"] * 3, ["c"] * 3, [{"kind": k} for k in ("nan", "string", "nan_part")]).errors
+    errors.close()
+    assert messages == ["sample 0: ValueError: the reward is nan, not a finite number",
+                        "sample 1: TypeError: the reward is '1.0', not a number",
+                        "sample 2: ValueError: the component 'a' is nan, not a finite number"]
 
 
 def test_builtin_rewards():

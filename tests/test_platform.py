@@ -133,8 +133,9 @@ def test_single_process_default():
 
 
 def test_bad_launch_ends_in_one_sentence(tmp_path):
-    """An incomplete Slurm environment, and a master port already taken: exit code 2, one line, no
-    traceback, nothing written."""
+    """An incomplete Slurm environment, and a master port already taken by a multi-process launch:
+    exit code 2, one line, no traceback, nothing written. One process needs no port: it runs even
+    with MASTER_PORT taken."""
     import socket
 
     base = [sys.executable, "train.py", "--recipe", "tiny_sft", f"logging.run_dir={tmp_path / 'run'}"]
@@ -149,8 +150,12 @@ def test_bad_launch_ends_in_one_sentence(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
+        single = subprocess.run([*base, "train.max_steps=1", "train.eval_every=0", "checkpoint.save=false",
+                                 "logging.progress=false", f"logging.run_dir={tmp_path / 'single'}"], cwd=ROOT,
+                                capture_output=True, text=True, timeout=300, env={**clean, "MASTER_PORT": str(port)})
+        assert single.returncode == 0, single.stderr[-2000:]
         out = subprocess.run(base, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                             env={**clean, "MASTER_PORT": str(port)})
+                             env={**clean, "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "2"})
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.strip().splitlines() == [
         f"error: the master port {port} on 127.0.0.1 is already in use (another run on this machine?): set "

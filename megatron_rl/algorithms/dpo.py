@@ -24,7 +24,8 @@ from megatron_rl.config import Config
 from megatron_rl.data import preference
 from megatron_rl.data.sft import Batches
 from megatron_rl.training.logprobs import mask_padded_vocab, token_logprobs
-from megatron_rl.training.loop import due, dp_share, finish, save_if_due, start_log, train_step, validation_report
+from megatron_rl.training.loop import (due, dp_share, finish, save_if_due, schedule_metrics, start_log, train_step,
+                                       validation_report)
 from megatron_rl.training.reference import build_reference, cache_key, cached, weight_bytes
 from megatron_rl.training.setup import build_trainee, load_initial_state, write_run_assets
 from megatron_rl.training.step import (cp_sum, cp_sum_straight_through, first_cp_rank, forward_only, make_microbatches,
@@ -187,7 +188,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
         step += 1
         dt = time.perf_counter() - t0
         metrics = {**metrics_of(r, "train", a.sft_loss_weight), "train/grad_norm": grad_norm,
-                   "train/lr": trainee.scheduler.get_lr(trainee.optimizer.param_groups[0]), "perf/step_time_s": dt,
+                   **schedule_metrics(trainee), "perf/step_time_s": dt,
                    "perf/tokens_per_s": 2 * cfg.data.global_batch_size * cfg.data.seq_length / dt}
         is_last = step == cfg.train.max_steps
         if due(step, cfg.train.eval_every, is_last):

@@ -31,7 +31,7 @@ from megatron_rl.rollout.engine import Rollout, RolloutEngine
 from megatron_rl.rollout.evaluate import decode, greedy_eval
 from megatron_rl.rollout.routing import RoutingTape, pack_routes, routes_queued
 from megatron_rl.training.logprobs import entropy, mask_padded_vocab, token_logprobs
-from megatron_rl.training.loop import due, finish, save_if_due, start_log, train_step
+from megatron_rl.training.loop import due, finish, save_if_due, schedule_metrics, start_log, train_step
 from megatron_rl.training.reference import build_reference
 from megatron_rl.training.setup import build_trainee, compute_dtype, load_initial_state, write_run_assets
 from megatron_rl.training.step import cp_sum, first_cp_rank, forward_only, global_mean, make_microbatches, put_tokens
@@ -291,7 +291,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
             **(reward_model_stats(rewards) if by_model else {}), **sampling_stats, **mismatch, **train_metrics, **times, **routing_stats(tape, a.router_replay),
             "perf/rollout_tokens_per_s": generated * dp / times["perf/time_rollout_s"],
             "perf/train_tokens_per_s": batch["loss_mask"].sum().item() * dp * a.epochs / times["perf/time_train_s"],
-            "train/lr": trainee.scheduler.get_lr(trainee.optimizer.param_groups[0]),
+            **schedule_metrics(trainee),
         }
         if scored.failures:
             log.write(f"warning: step {step}: {scored.failures} samples got reward 0 because scoring failed "

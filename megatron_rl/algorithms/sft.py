@@ -16,7 +16,8 @@ from megatron_rl.config import Config
 from megatron_rl.data import sft as sft_data
 from megatron_rl.data.tasks import data_files
 from megatron_rl.training.logprobs import argmax_equals, mask_padded_vocab, token_logprobs
-from megatron_rl.training.loop import due, dp_share, finish, save_if_due, start_log, train_step, validation_report
+from megatron_rl.training.loop import (due, dp_share, finish, save_if_due, schedule_metrics, start_log, train_step,
+                                       validation_report)
 from megatron_rl.training.setup import build_trainee, load_initial_state, write_run_assets
 from megatron_rl.training.step import cp_sum, first_cp_rank, make_microbatches
 
@@ -82,7 +83,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
         dt = time.perf_counter() - t0
         metrics = {"train/loss": r["loss_sum"] / max(r["tokens"], 1),
                    "train/accuracy": r["correct"] / max(r["samples"], 1),
-                   "train/lr": trainee.scheduler.get_lr(trainee.optimizer.param_groups[0]),
+                   **schedule_metrics(trainee),
                    "train/grad_norm": grad_norm, "perf/step_time_s": dt,
                    "perf/tokens_per_s": cfg.data.global_batch_size * cfg.data.seq_length / dt}
         is_last = step == cfg.train.max_steps

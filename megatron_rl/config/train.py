@@ -23,6 +23,9 @@ class TrainConfig:
     threads: int = 0
     """CPU threads of each process (torch.set_num_threads); a run's numbers depend on it on the
     CPU, so the tiny recipes pin it. 0 leaves torch's default (OMP_NUM_THREADS)."""
+    max_skipped_steps: int = 10
+    """An optimizer step whose loss or gradient norm is NaN or Inf applies no update (counted in
+    train/skipped_steps); after this many in a row the run stops, keeping its last checkpoint."""
 
 
 @dataclass(kw_only=True)

@@ -53,7 +53,7 @@ class Config:
             self._validate_grpo(self.parallel.data_parallel_size(world_size))
         if self.algorithm.name == "dpo":
             self._validate_dpo()
-        positive(self.train, "max_steps")
+        positive(self.train, "max_steps", "max_skipped_steps")
         if self.train.threads < 0:
             raise ConfigError(f"train.threads={self.train.threads} must be >= 0 (0: torch's default).")
         if self.train.eval_every < 0 or self.checkpoint.save_every < 0:

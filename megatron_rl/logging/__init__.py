@@ -19,12 +19,13 @@ class RunLogger:
             return
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics = (self.run_dir / "metrics.jsonl").open("a")
+        self.metrics = _cut_metrics(self.run_dir / "metrics.jsonl", start_step)
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            # a resumed run drops the events a killed run wrote after its checkpoint; a fresh one all
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else 0)
         self.wandb = _start_wandb(self.run_dir, wandb) if wandb else None
         self.bar = None
         if progress:
@@ -72,6 +73,26 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.finish()
         self.metrics.close()
+
+
+def _cut_metrics(path: Path, start_step: int):
+    """metrics.jsonl opened for appending from start_step: a run resumed at step S keeps the rows of
+    steps up to S (a run killed after its checkpoint logged later steps, which it now logs again);
+    a fresh run (S = 0) starts it anew. The cut file replaces the old one atomically."""
+    rows = []
+    if start_step and path.exists():
+        rows = [line for line in path.read_text().splitlines() if line.strip() and _step_of(line) <= start_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(row + "\n" for row in rows))
+    tmp.replace(path)
+    return path.open("a")
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")  # a row cut short by the kill: dropped
 
 
 def _start_wandb(run_dir: Path, settings: dict):

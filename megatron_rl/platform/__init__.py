@@ -115,7 +115,7 @@ def expand_nodelist(nodelist: str) -> list[str]:
 
 def read_launch(env=os.environ) -> Launch:
     """torchrun's variables win over Slurm's (torchrun inside an srun step sets them); neither means
-    one process, on a free port unless MASTER_PORT is set (two runs on one machine do not collide)."""
+    one process, which needs no port (init_distributed: two runs on one machine never collide)."""
     if "RANK" in env and "WORLD_SIZE" in env:
         return Launch(
             rank=_int(env, "RANK"), world_size=_int(env, "WORLD_SIZE"), local_rank=_int(env, "LOCAL_RANK", 0),
@@ -132,7 +132,7 @@ def read_launch(env=os.environ) -> Launch:
             rank=_int(env, "SLURM_PROCID"), world_size=_int(env, "SLURM_NTASKS"),
             local_rank=_int(env, "SLURM_LOCALID", 0), master_addr=env.get("MASTER_ADDR") or nodes[0],
             master_port=_int(env, "MASTER_PORT", 20000 + job % 10000), launcher="slurm", nodes=nodes)
-    return Launch(master_port=_int(env, "MASTER_PORT", 0) or free_port())
+    return Launch()
 
 
 def _int(env, key: str, default: int | None = None) -> int:
@@ -183,9 +183,14 @@ def init_distributed(launch: Launch | None = None, timeout_minutes: int = 30) ->
         torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
     from datetime import timedelta
 
+    backend = "nccl" if has_cuda() else "gloo"
+    if launch.world_size == 1:  # nothing to meet: a store in memory, so one-process runs never compete for a port
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(minutes=timeout_minutes))
+        return launch
     try:
         dist.init_process_group(
-            backend="nccl" if has_cuda() else "gloo",
+            backend=backend,
             init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
             rank=launch.rank, world_size=launch.world_size,
             timeout=timedelta(minutes=timeout_minutes),

@@ -12,6 +12,7 @@ one sample gives that sample reward 0 and a counted warning; the run goes on.
 """
 
 import importlib
+import math
 import multiprocessing as mp
 from dataclasses import dataclass, field
 
@@ -61,8 +62,18 @@ class Scores:
 def _score_one(fn, prompt, completion, metadata):
     out = fn(prompt, completion, metadata)
     if isinstance(out, dict):
-        return {k: float(v) for k, v in out.items()}
-    return float(out)
+        return {k: _finite(v, f"component {k!r}") for k, v in out.items()}
+    return _finite(out, "reward")
+
+
+def _finite(value, what: str) -> float:
+    """A reward as a float; anything but a finite number (None, a string, NaN, inf) fails the sample."""
+    if value is None or isinstance(value, (str, bytes)):
+        raise TypeError(f"the {what} is {value!r}, not a number")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"the {what} is {number}, not a finite number")
+    return number
 
 
 def _quiet_on_sigterm():

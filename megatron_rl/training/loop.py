@@ -38,6 +38,12 @@ def train_step(trainee, micro: list[dict], loss_fn) -> tuple[dict, float]:
     return report, grad_norm
 
 
+def schedule_metrics(trainee) -> dict:
+    """The learning rate now, and how many optimizer steps were skipped (non-finite) so far."""
+    return {"train/lr": trainee.scheduler.get_lr(trainee.optimizer.param_groups[0]),
+            "train/skipped_steps": trainee.skipped_steps}
+
+
 def dp_share(data: dict) -> dict:
     """This data-parallel rank's share of a dict of equally long sequences (every size-th row)."""
     from megatron.core import parallel_state as ps

@@ -23,6 +23,9 @@ class Trainee:
     optimizer: object
     scheduler: object
     config: object  # megatron TransformerConfig
+    max_skipped_steps: int = 10  # non-finite steps in a row before the run stops (train.max_skipped_steps)
+    skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient norm, in all
+    skipped_in_a_row: int = 0
 
     def train(self):
         for chunk in self.model:
@@ -126,7 +129,8 @@ def build_trainee(cfg: Config) -> Trainee:
     # division by the global token count (calculate_per_token_loss).
     tconfig.finalize_model_grads_func = finalize_model_grads
     optimizer, scheduler = build_optimizer(cfg, model)
-    return Trainee(model=model, optimizer=optimizer, scheduler=scheduler, config=tconfig)
+    return Trainee(model=model, optimizer=optimizer, scheduler=scheduler, config=tconfig,
+                   max_skipped_steps=cfg.train.max_skipped_steps)
 
 
 def write_run_assets(cfg: Config, run_dir, tokenizer):

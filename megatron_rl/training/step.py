@@ -10,6 +10,7 @@ batch["positions"] says which positions the rank holds. Per-token sums then add 
 group like over DP; per-sequence quantities need `cp_sum` (and count once: `first_cp_rank`).
 """
 
+import math
 from functools import partial
 
 import torch
@@ -244,10 +245,31 @@ def reduce_reports(reports: list[dict]) -> dict[str, float]:
     return dict(zip(keys, sums.cpu().tolist()))
 
 
+class Diverged(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient norm."""
+
+
 def optimizer_step(trainee) -> tuple[bool, float]:
-    """One optimizer + LR-schedule step after gradients were accumulated; (applied, grad_norm)."""
-    update_successful, grad_norm, _ = trainee.optimizer.step()
+    """One optimizer + LR-schedule step after gradients were accumulated; (applied, grad_norm).
+
+    A NaN or Inf anywhere in the gradients (a non-finite loss makes them so) gives a non-finite
+    global gradient norm, the same all-reduced number on every rank: then no rank updates (megatron's
+    bf16/fp32 optimizers would step anyway) and the LR schedule stays; the step's data is consumed.
+    After trainee.max_skipped_steps such steps in a row, Diverged."""
+    optimizer = trainee.optimizer
+    if not optimizer.prepare_grads():  # (fp16 loss scaling's own overflow check said nothing)
+        norm = optimizer.get_grad_norm()
+        if norm is not None and not math.isfinite(norm):
+            trainee.skipped_steps += 1
+            trainee.skipped_in_a_row += 1
+            if trainee.skipped_in_a_row >= trainee.max_skipped_steps:
+                raise Diverged(f"{trainee.skipped_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
+                               f"norm (train.max_skipped_steps={trainee.max_skipped_steps}), so the run stops; its "
+                               "last checkpoint is intact: resume with a lower optimizer.lr or check the data.")
+            return False, float(norm)
+    update_successful, grad_norm, _ = optimizer.step()  # (prepares the gradients again: a copy)
     if update_successful:
+        trainee.skipped_in_a_row = 0
         trainee.scheduler.step(increment=1)
     return update_successful, float(grad_norm or 0.0)
 

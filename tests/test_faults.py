@@ -1,0 +1,82 @@
+"""Faults a long run meets, each survived: a kill after the last checkpoint (the logs are cut back to
+it on resume), non-finite losses or gradients (the step is skipped; too many in a row stop the run in
+one sentence). (Reward functions that fail or return no number: tests/test_grpo.py; a taken port:
+tests/test_platform.py.)"""
+
+import pytest
+import torch
+
+from megatron_rl.checkpointing import checkpoint_dir
+from tests.helpers import column, metrics, run_train
+
+FAST = ["data.num_train=2000", "data.micro_batch_size=32", "data.num_val=128", "train.eval_every=0",
+        "scheduler.decay_steps=100", "logging.progress=false", "logging.tensorboard=false"]
+
+
+def test_resume_cuts_the_logs_back_to_the_checkpoint(tmp_path):
+    """A run killed while writing its last checkpoint logged steps after the one it resumes from:
+    metrics.jsonl and TensorBoard are cut back to that checkpoint, so each step appears once, with
+    the values of an uninterrupted run (bitwise)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_rl.checkpointing import MARKER
+
+    run = ["--recipe", "tiny_sft", *FAST, "train.max_steps=6", "checkpoint.save_every=3", "logging.tensorboard=true",
+           f"logging.run_dir={tmp_path}"]
+    run_train(run)
+    straight = column(tmp_path, "train/loss")
+    (checkpoint_dir(tmp_path, 6) / MARKER).unlink()  # killed before the marker of step 6 was written
+    run_train([*run, "checkpoint.resume=true"])
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3, 4, 5, 6]
+    assert column(tmp_path, "train/loss") == straight
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(straight, rel=1e-6)  # stored as fp32
+
+
+def test_non_finite_gradient_applies_no_update(one_process):
+    """A NaN in one gradient: no parameter changes, the LR schedule stays, the step is counted; the
+    next finite step updates again and resets the count in a row."""
+    from megatron_rl.config import apply_overrides
+    from megatron_rl.training.setup import build_trainee
+    from megatron_rl.training.step import optimizer_step, zero_grads
+    from recipes import get_recipe
+
+    cfg = apply_overrides(get_recipe("tiny_sft"), ["model.vocab_size=16", "scheduler.warmup_steps=0"])
+    trainee = build_trainee(cfg)
+    params = [p for chunk in trainee.model for p in chunk.parameters()]
+
+    def step(bad: bool):
+        zero_grads(trainee)
+        for p in params:
+            p.main_grad.fill_(0.01)
+        if bad:
+            params[3].main_grad[0] = float("nan")
+        before = [p.detach().clone() for p in params]
+        applied, norm = optimizer_step(trainee)
+        return applied, norm, any(not torch.equal(a, p) for a, p in zip(before, params))
+
+    assert step(False)[::2] == (True, True)
+    scheduled = trainee.scheduler.num_steps
+    applied, norm, changed = step(True)
+    assert (applied, changed, trainee.scheduler.num_steps, trainee.skipped_steps) == (False, False, scheduled, 1)
+    assert norm != norm  # NaN
+    assert step(False)[::2] == (True, True) and trainee.skipped_in_a_row == 0 and trainee.skipped_steps == 1
+
+
+def test_diverging_run_skips_then_stops_in_one_sentence(tmp_path):
+    """An absurd learning rate makes the loss NaN: those steps apply nothing (the LR schedule does not
+    move), are counted, and after train.max_skipped_steps in a row the run stops: exit 1, one sentence,
+    the run directory and its checkpoints left as they were."""
+    proc = run_train(["--recipe", "tiny_sft", *FAST, "optimizer.lr=1e30", "train.max_skipped_steps=3",
+                      "train.max_steps=20", "checkpoint.save_every=1", f"logging.run_dir={tmp_path}"], check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: 3 optimizer steps in a row had a non-finite loss or gradient norm (train.max_skipped_steps=3), so the "
+        "run stops; its last checkpoint is intact: resume with a lower optimizer.lr or check the data."]
+    rows = metrics(tmp_path)
+    skipped = [r for r in rows if r["train/skipped_steps"] > 0]
+    assert [r["train/skipped_steps"] for r in skipped] == [1, 2]
+    assert all(r["train/lr"] == skipped[0]["train/lr"] for r in skipped)
+    assert (checkpoint_dir(tmp_path, rows[-1]["step"]) / "complete").exists()
