@@ -51,10 +51,13 @@ def main(argv=None) -> int:
 
             cfg.model = resolve_model(cfg.model)
         cfg.validate(world_size=launch.world_size)
+        run_dir = Path(cfg.logging.run_dir or f"runs/{cfg.recipe}")
         if not args.print_config:
+            from megatron_rl.checkpointing import check_same_run
             from megatron_rl.platform.support import check_support
 
             check_support(cfg)
+            check_same_run(run_dir, cfg)
     except ConfigError as e:
         if launch.rank == 0:
             print(f"error: {e}", file=sys.stderr)
@@ -63,7 +66,6 @@ def main(argv=None) -> int:
         print(cfg.to_json())
         return 0
 
-    run_dir = Path(cfg.logging.run_dir or f"runs/{cfg.recipe}")
     fresh_dir = not run_dir.exists()
     if cfg.train.threads:  # a run's numbers depend on the thread count on the CPU: recipes pin it
         import torch
@@ -86,6 +88,8 @@ def main(argv=None) -> int:
         (run_dir / "config.json").write_text(cfg.to_json())
     from megatron_rl.algorithms import get_algorithm
     from megatron_rl.training.step import Diverged
+
+    platform.watch_preemption()  # SIGTERM, SIGUSR1: finish the step, save, exit 0
 
     try:
         final = get_algorithm(cfg.algorithm.name).run(cfg, run_dir)

@@ -193,6 +193,33 @@ def _require_complete(path: Path):
             f"point checkpoint.load at a checkpoints/step_N directory.")
 
 
+def _architecture_diff(saved: dict, model) -> list[str]:
+    """'field=saved (yours: ours)' for each architecture field in which `saved` differs from `model`."""
+    ours = dataclasses.asdict(model)
+    return [f"{k}={saved[k]!r} (yours: {ours[k]!r})" for k in saved
+            if k in ours and k not in model.TRAINING_CHOICES and saved[k] != ours[k]]
+
+
+def check_same_run(run_dir: str | Path, cfg):
+    """Refuse a run directory that holds another run (its config.json names another recipe, algorithm
+    or model architecture) rather than mix the two; other settings (the learning rate...) may change."""
+    import json
+
+    from megatron_rl.config import ConfigError
+
+    path = Path(run_dir) / "config.json"
+    if not path.exists():
+        return
+    saved = json.loads(path.read_text())
+    other = [f"{what}={theirs!r} (yours: {ours!r})" for what, theirs, ours in (
+        ("recipe", saved.get("recipe"), cfg.recipe),
+        ("algorithm.name", saved.get("algorithm", {}).get("name"), cfg.algorithm.name)) if theirs != ours]
+    other += [f"model.{d}" for d in _architecture_diff(saved.get("model", {}), cfg.model)]
+    if other:
+        raise ConfigError(f"{run_dir} holds another run: {', '.join(other[:3])}; choose another logging.run_dir, or "
+                          "delete that directory to start over.")
+
+
 def check_model_matches(path: str | Path, model):
     """Refuse, naming the fields, a checkpoint whose architecture differs from `model`."""
     from megatron.core import dist_checkpointing
@@ -200,9 +227,7 @@ def check_model_matches(path: str | Path, model):
     saved = dist_checkpointing.load_common_state_dict(str(path)).get("model_config")
     if saved is None:
         return
-    ours = dataclasses.asdict(model)
-    diff = [f"{k}={saved[k]!r} (yours: {ours[k]!r})" for k in saved
-            if k in ours and k not in model.TRAINING_CHOICES and saved[k] != ours[k]]
+    diff = _architecture_diff(saved, model)
     if diff:
         raise ValueError(f"checkpoint {str(path)!r} holds a different model: model.{', model.'.join(diff[:4])}; "
                          f"set those model.* fields to match.")

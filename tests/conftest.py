@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from tests.helpers import free_port, threads
+from tests.helpers import threads
 
 # Under `make test` two pytest workers share the cores: each worker, and what it starts without
 # an explicit thread count, uses its share.
@@ -16,7 +16,7 @@ def one_process():
     """A single-process gloo group and megatron's parallel state, for in-process tests."""
     from megatron_rl import platform
 
-    platform.init_distributed(platform.Launch(master_port=free_port()))
+    platform.init_distributed(platform.Launch())
     platform.init_model_parallel()
     yield
     platform.shutdown()

@@ -19,16 +19,23 @@ def threads(nproc: int = 1) -> str:
     return str(max(1, len(os.sched_getaffinity(0)) // workers // nproc))
 
 
-def run_train(args: list[str], nproc: int = 1, timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
+def torchrun(nproc: int) -> list[str]:
+    """torchrun on this machine with nproc workers; --standalone lets it choose a free port itself
+    (a port picked here beforehand can be taken by a concurrent test before torchrun binds it)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def launch_env(nproc: int = 1) -> dict:
+    """This environment without any launcher's variables, with this worker's share of the threads."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": threads(nproc)}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    if nproc == 1:
-        env["MASTER_PORT"] = str(free_port())
-        cmd = [sys.executable, "train.py", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={free_port()}", "train.py", *args]
+    return env
+
+
+def run_train(args: list[str], nproc: int = 1, timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
+    env = launch_env(nproc)
+    cmd = [sys.executable, "train.py", *args] if nproc == 1 else [*torchrun(nproc), "train.py", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
@@ -39,11 +46,8 @@ def run_recipes(runs: list[list[str]], nproc: int = 1, timeout: int = 900) -> su
     """Several train.py argument lists run one after another in one process group
     (tests/scripts/run_recipes.py): start-up and imports are paid once."""
     script = str(ROOT / "tests" / "scripts" / "run_recipes.py")
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": threads(nproc), "MASTER_PORT": str(free_port())}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
-        env.pop(k, None)
-    cmd = ([sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                                                f"--master_port={free_port()}"]) + [script, json.dumps(runs)]
+    env = launch_env(nproc)
+    cmd = ([sys.executable] if nproc == 1 else torchrun(nproc)) + [script, json.dumps(runs)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")

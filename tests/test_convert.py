@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_rl.config import Config, ConfigError
-from tests.helpers import ROOT, free_port, run_train
+from tests.helpers import ROOT, launch_env, run_train, torchrun
 from tests.hf_models import FAMILIES, VOCAB, hf_logits, save_tiny_model
 
 TOKENS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -147,8 +147,7 @@ def test_other_layouts(layout, models, tmp_path):
     import subprocess
 
     flags, families = LAYOUTS[layout]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "tests/scripts/hf_layout.py", str(tmp_path), *flags, *(f"{f}={models[f]}" for f in families)]
+    cmd = [*torchrun(2), "tests/scripts/hf_layout.py", str(tmp_path), *flags, *(f"{f}={models[f]}" for f in families)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -170,8 +169,7 @@ def test_cli_round_trip_in_bf16(tmp_path):
 
     def convert(*args):
         return subprocess.run([sys.executable, "tools/convert_checkpoint.py", *args], cwd=ROOT, capture_output=True,
-                              text=True, timeout=300, env={**__import__("os").environ, "PYTHONWARNINGS": "ignore",
-                                                           "MASTER_PORT": str(free_port())})
+                              text=True, timeout=300, env=launch_env())
 
     proc = convert("import", "--hf", str(src), "--out", str(tmp_path / "mg"))
     assert proc.returncode == 0, proc.stderr[-3000:]

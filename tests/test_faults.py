@@ -1,6 +1,7 @@
 """Faults a long run meets, each survived: a kill after the last checkpoint (the logs are cut back to
-it on resume), non-finite losses or gradients (the step is skipped; too many in a row stop the run in
-one sentence). (Reward functions that fail or return no number: tests/test_grpo.py; a taken port:
+it on resume), preemption signals (save, exit 0, resume=auto), a run directory of another run,
+non-finite losses or gradients (the step is skipped; too many in a row stop the run in one
+sentence). (Reward functions that fail or return no number: tests/test_grpo.py; a taken port:
 tests/test_platform.py.)"""
 
 import pytest
@@ -80,3 +81,101 @@ def test_diverging_run_skips_then_stops_in_one_sentence(tmp_path):
     assert [r["train/skipped_steps"] for r in skipped] == [1, 2]
     assert all(r["train/lr"] == skipped[0]["train/lr"] for r in skipped)
     assert (checkpoint_dir(tmp_path, rows[-1]["step"]) / "complete").exists()
+
+
+def _wait_for_steps(run_dir, n: int, proc, timeout: float = 120):
+    import time
+
+    t0 = time.time()
+    while time.time() - t0 < timeout and proc.poll() is None:
+        path = run_dir / "metrics.jsonl"
+        if path.exists() and len(path.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{run_dir} did not log {n} steps")
+
+
+def _start(args: list[str], nproc: int = 1):
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, launch_env, torchrun
+
+    launcher = [sys.executable] if nproc == 1 else torchrun(nproc)
+    return subprocess.Popen([*launcher, "train.py", *args], cwd=ROOT, env=launch_env(nproc), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _rank_pid(run_dir, rank: int) -> int:
+    """The process of one torchrun worker of the run writing to run_dir."""
+    from pathlib import Path
+
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"logging.run_dir={run_dir}" in cmdline and f"RANK={rank}".encode() in environ:
+            return int(proc.name)
+    raise AssertionError(f"no rank {rank} process of {run_dir}")
+
+
+def test_preemption_saves_and_resumes(tmp_path):
+    """SIGTERM to a one-process run, and SIGUSR1 to one rank of two: every rank finishes its step,
+    saves, exits 0. checkpoint.resume=auto then continues to the end, each step once and (one
+    process) bitwise as the uninterrupted run; in a fresh directory auto starts from scratch."""
+    import os
+    import signal
+
+    from megatron_rl.checkpointing import latest_checkpoint
+
+    run = ["--recipe", "tiny_sft", *FAST, "train.max_steps=40", "checkpoint.resume=auto"]
+    straight, preempted, pair = tmp_path / "straight", tmp_path / "preempted", tmp_path / "pair"
+    proc = _start([*run, f"logging.run_dir={preempted}"])
+    _wait_for_steps(preempted, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    stopped = metrics(preempted)[-1]["step"]
+    assert stopped < 40 and latest_checkpoint(preempted).name == f"step_{stopped:07d}"
+    assert f"preempted: stopped after step {stopped}, saved a checkpoint" in out
+    run_train([*run, f"logging.run_dir={preempted}"])
+    run_train([*run, f"logging.run_dir={straight}"])  # auto in a fresh directory: from scratch
+    assert [r["step"] for r in metrics(preempted)] == list(range(1, 41))
+    assert column(preempted, "train/loss") == column(straight, "train/loss")
+
+    proc = _start([*run, "parallel.dp=2", f"logging.run_dir={pair}"], nproc=2)
+    _wait_for_steps(pair, 2, proc)
+    os.kill(_rank_pid(pair, 1), signal.SIGUSR1)  # rank 1 only: both stop at the same step
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    stopped = metrics(pair)[-1]["step"]
+    assert stopped < 40 and latest_checkpoint(pair).name == f"step_{stopped:07d}"
+
+
+def test_run_directory_of_another_run_is_refused(tmp_path):
+    """A run directory holding another recipe or another architecture is refused in one sentence
+    (exit 2, the directory untouched); a changed learning rate resumes; checkpoint.resume=true with
+    nothing to resume from is refused and leaves no directory."""
+    run = ["train.max_steps=1", "train.eval_every=0", "logging.progress=false", "logging.tensorboard=false"]
+    run_train(["--recipe", "tiny_sft", *run, f"logging.run_dir={tmp_path / 'run'}"])
+    before = sorted(p.name for p in (tmp_path / "run").rglob("*"))
+    for other, said in ((["--recipe", "tiny_dpo"], "recipe='tiny_sft' (yours: 'tiny_dpo'), algorithm.name='sft' "
+                                                   "(yours: 'dpo')"),
+                        (["--recipe", "tiny_sft", "model.num_layers=3"], "model.num_layers=2 (yours: 3)")):
+        proc = run_train([*other, *run, f"logging.run_dir={tmp_path / 'run'}"], check=False)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert proc.stderr.strip().splitlines() == [
+            f"error: {tmp_path / 'run'} holds another run: {said}; choose another logging.run_dir, or delete that "
+            "directory to start over."]
+    assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == before
+    run_train(["--recipe", "tiny_sft", *run, "train.max_steps=2", "optimizer.lr=1e-3", "checkpoint.resume=true",
+               f"logging.run_dir={tmp_path / 'run'}"])
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2]
+    proc = run_train(["--recipe", "tiny_sft", *run, "checkpoint.resume=true", f"logging.run_dir={tmp_path / 'new'}"],
+                     check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: checkpoint.resume=true but {tmp_path / 'new'} has no complete checkpoint to resume from; use "
+        "checkpoint.resume=auto to start fresh when there is none."]
+    assert not (tmp_path / "new").exists()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_rl.checkpointing import checkpoint_dir
-from tests.helpers import ROOT, column, free_port, metrics, processes, run_train
+from tests.helpers import ROOT, column, launch_env, metrics, processes, run_train, torchrun
 
 pytestmark = pytest.mark.xdist_group("tiny_sft")  # one worker trains the shared tiny_sft run
 
@@ -89,11 +89,8 @@ def test_grpo_step_runs_at_dp2_with_the_distributed_optimizer(sft_checkpoint, tm
 def test_loss_normalization_is_independent_of_microbatching_and_dp():
     """One optimizer step on the same global batch: DP1 with 1 or 4 microbatches, DP2 with 2 each."""
     def run(nproc, micro):
-        env = {**__import__("os").environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
-               "MASTER_PORT": str(free_port())}
-        cmd = ([sys.executable] if nproc == 1 else
-               [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                f"--master_port={free_port()}"]) + ["tests/scripts/grpo_normalization.py", str(micro)]
+        env = {**launch_env(), "OMP_NUM_THREADS": "1"}
+        cmd = ([sys.executable] if nproc == 1 else torchrun(nproc)) + ["tests/scripts/grpo_normalization.py", str(micro)]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -3,11 +3,10 @@ forwards and the backward, in several parallel layouts (tests/scripts/router_rep
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import ROOT, column, free_port, run_train, threads
+from tests.helpers import ROOT, column, run_train, threads, torchrun
 
 
 @pytest.mark.parametrize("layout, nproc", [(["train.recompute=full"], 1), (["parallel.ep=2"], 2),
@@ -17,8 +16,7 @@ from tests.helpers import ROOT, column, free_port, run_train, threads
                                            (["parallel.ep=2", "data.max_tokens_per_microbatch=48"], 2)],
                          ids=["recompute", "ep2", "pp2", "tp2-sp", "cp2", "vpp", "ep2-packed"])
 def test_router_replay(layout, nproc, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-           "tests/scripts/router_replay.py", str(tmp_path), *layout]
+    cmd = [*torchrun(nproc), "tests/scripts/router_replay.py", str(tmp_path), *layout]
     env = {"PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin",
            "OMP_NUM_THREADS": threads(nproc)}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.helpers import ROOT, free_port, threads
+from tests.helpers import ROOT, free_port, threads, torchrun
 
 pytestmark = pytest.mark.xdist_group("slurm")
 
@@ -124,9 +124,8 @@ def test_single_node_script_trains_as_torchrun_does(cluster, tmp_path):
     log = "\n".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
     assert out.returncode == 0, out.stderr[-2000:] + log[-3000:]
     assert f"launch: slurm, 2 rank(s) on 1 node(s) ({socket.gethostname()})" in log
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-                "train.py", "--recipe", *args, f"logging.run_dir={tmp_path / 'torchrun'}"]
-    out = subprocess.run(["srun", "-n", "1", "--cpus-per-task=2", "--time=10", *torchrun], cwd=ROOT, env=env,
+    launcher = [*torchrun(2), "train.py", "--recipe", *args, f"logging.run_dir={tmp_path / 'torchrun'}"]
+    out = subprocess.run(["srun", "-n", "1", "--cpus-per-task=2", "--time=10", *launcher], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "launch: torchrun, 2 rank(s)" in out.stdout

@@ -195,7 +195,8 @@ def run(cfg: Config, run_dir: Path) -> dict:
             with prof.range("eval"):
                 metrics.update(validation())
         log.log(step, metrics)
-        save_if_due(cfg, trainee, run_dir, step, is_last, batches.state_dict(), assets)
+        if save_if_due(cfg, trainee, run_dir, step, is_last, batches.state_dict(), assets, log):
+            break
     if scorer is not None:
         scorer.close()
     return finish(cfg, trainee, run_dir, assets, log, prof, metrics,

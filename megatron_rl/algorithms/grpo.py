@@ -301,7 +301,8 @@ def run(cfg: Config, run_dir: Path) -> dict:
             with prof.range("eval"):
                 metrics.update(greedy_eval(engine, val_scorer, tokenizer, val_prompts, val_meta))
         log.log(step, metrics)
-        save_if_due(cfg, trainee, run_dir, step, is_last, stream.state_dict(), assets)
+        if save_if_due(cfg, trainee, run_dir, step, is_last, stream.state_dict(), assets, log):
+            break
     runner.close()
     val_scorer.close()
     return finish(cfg, trainee, run_dir, assets, log, prof, metrics, plot=["rollout/reward_mean", "val/accuracy"])

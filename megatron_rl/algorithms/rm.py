@@ -100,5 +100,6 @@ def run(cfg: Config, run_dir: Path) -> dict:
             with prof.range("eval"):
                 metrics.update(evaluate(trainee, cfg, data.val, data.kinds))
         log.log(step, metrics)
-        save_if_due(cfg, trainee, run_dir, step, is_last, batches.state_dict(), assets)
+        if save_if_due(cfg, trainee, run_dir, step, is_last, batches.state_dict(), assets, log):
+            break
     return finish(cfg, trainee, run_dir, assets, log, prof, metrics, plot=["train/loss", "val/accuracy"])

@@ -98,7 +98,6 @@ def run(cfg: Config, run_dir: Path) -> dict:
         stop = cfg.algorithm.early_stop_patience and stale >= cfg.algorithm.early_stop_patience
         if stop:
             log.write(f"early stop at step {step}: val/loss has not improved for {stale} evaluations")
-        save_if_due(cfg, trainee, run_dir, step, is_last or stop, batches.state_dict(), assets)
-        if stop:
+        if save_if_due(cfg, trainee, run_dir, step, is_last or stop, batches.state_dict(), assets, log) or stop:
             break
     return finish(cfg, trainee, run_dir, assets, log, prof, metrics)

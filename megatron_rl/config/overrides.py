@@ -29,10 +29,18 @@ def _parse_value(text: str, annotation, key: str):
     """Turn override text into the field's type, or raise a ConfigError naming the key."""
     hint = annotation
     origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):  # Optional[X]
+    if origin in (typing.Union, types.UnionType):  # Optional[X], or X | Y: the first type that parses
         args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if text.lower() in ("none", "null"):
+        if text.lower() in ("none", "null") and len(args) < len(typing.get_args(hint)):
             return None
+        if len(args) > 1:
+            for option in args:
+                try:
+                    return _parse_value(text, option, key)
+                except ConfigError:
+                    pass
+            expected = [w for a in args for w in (("true", "false") if a is bool else typing.get_args(a) or (a.__name__,))]
+            raise ConfigError(f"{key}={text!r} is not one of {', '.join(expected)}.")
         hint, origin = args[0], typing.get_origin(args[0])
     if origin is list:
         (item_type,) = typing.get_args(hint) or (str,)

@@ -10,8 +10,9 @@ from typing import Literal
 class CheckpointConfig:
     save_every: int = 0
     """Save every N steps (and always at the end); 0 means only at the end."""
-    resume: bool = False
-    """Continue from the latest complete checkpoint in the run directory."""
+    resume: bool | Literal["auto"] = False
+    """true: continue from the latest complete checkpoint in the run directory (there must be one);
+    auto: continue if there is one, else start fresh (a requeued job); false: start fresh."""
     load: str = ""
     """Start from the model weights of this checkpoint directory (any TP/PP layout), or of the
     latest checkpoint of this run directory."""

@@ -203,6 +203,32 @@ def init_distributed(launch: Launch | None = None, timeout_minutes: int = 30) ->
     return launch
 
 
+PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")  # a scheduler's notice (Slurm: sbatch --signal=USR1@120)
+_preempted = []  # the signals this process got
+
+
+def watch_preemption():
+    """From now on SIGTERM and SIGUSR1 do not kill this process: they ask the run to stop after its
+    current step (preemption_requested), save and exit 0, so that a requeued job resumes."""
+    import signal
+
+    for name in PREEMPTION_SIGNALS:
+        signal.signal(getattr(signal, name), lambda signum, _frame: _preempted.append(signum))
+
+
+def preemption_requested() -> bool:
+    """Whether a preemption signal reached any rank: a collective (every rank asks at the end of the
+    same step), so that all stop together."""
+    import faulthandler
+    import signal
+
+    for name in PREEMPTION_SIGNALS:  # megatron's inference module chains a stack dump to SIGTERM: not ours
+        faulthandler.unregister(getattr(signal, name))
+    flag = torch.tensor([float(bool(_preempted))], device=device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def init_model_parallel(tp=1, pp=1, vpp=None, cp=1, ep=1, etp=None, seed=1234):
     """Megatron's process groups and its model-parallel RNG tracker, seeded."""
     from megatron.core import parallel_state

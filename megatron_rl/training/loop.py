@@ -62,13 +62,19 @@ def validation_report(trainee, micro: list[dict], loss_fn) -> dict:
         trainee.train()
 
 
-def save_if_due(cfg: Config, trainee, run_dir: Path, step: int, last: bool, data_state: dict, assets):
-    """Save a checkpoint every checkpoint.save_every steps and at the end (unless checkpoint.save=false)."""
-    from megatron_rl import checkpointing
+def save_if_due(cfg: Config, trainee, run_dir: Path, step: int, last: bool, data_state: dict, assets, log) -> bool:
+    """Save a checkpoint every checkpoint.save_every steps and at the end (unless checkpoint.save=false).
+    Returns whether the run stops here: a preemption signal reached a rank, and it saved first."""
+    from megatron_rl import checkpointing, platform
 
-    if cfg.checkpoint.save and due(step, cfg.checkpoint.save_every, last):
+    preempted = not last and platform.preemption_requested()
+    if cfg.checkpoint.save and (preempted or due(step, cfg.checkpoint.save_every, last)):
         checkpointing.save(trainee, run_dir, step, {"data": data_state}, cfg.checkpoint.keep, model=cfg.model,
                            assets=assets)
+    if preempted:
+        log.write(f"preempted: stopped after step {step}" + (", saved a checkpoint; resume with "
+                                                              "checkpoint.resume=auto" if cfg.checkpoint.save else ""))
+    return preempted
 
 
 def finish(cfg: Config, trainee, run_dir: Path, assets, log, prof, metrics: dict, plot: list[str] = ()) -> dict:

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_rl.config import Config
+from megatron_rl.config import Config, ConfigError
 
 
 def compute_dtype(cfg: Config) -> torch.dtype:
@@ -155,6 +155,9 @@ def load_initial_state(trainee: Trainee, cfg: Config, run_dir):
     from megatron_rl.hf import import_hf
 
     latest = checkpointing.latest_checkpoint(run_dir) if cfg.checkpoint.resume else None
+    if latest is None and cfg.checkpoint.resume is True:
+        raise ConfigError(f"checkpoint.resume=true but {run_dir} has no complete checkpoint to resume from; use "
+                          "checkpoint.resume=auto to start fresh when there is none.")
     if latest is not None:
         return latest, checkpointing.load(trainee, latest)
     if cfg.checkpoint.load:
