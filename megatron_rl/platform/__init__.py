@@ -212,8 +212,17 @@ def watch_preemption():
     current step (preemption_requested), save and exit 0, so that a requeued job resumes."""
     import signal
 
+    main = os.getpid()
+
+    def handler(signum, _frame):
+        if os.getpid() != main:  # a forked child (a reward worker, which Pool.terminate ends by SIGTERM): die
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        _preempted.append(signum)
+
     for name in PREEMPTION_SIGNALS:
-        signal.signal(getattr(signal, name), lambda signum, _frame: _preempted.append(signum))
+        signal.signal(getattr(signal, name), handler)
 
 
 def preemption_requested() -> bool:
