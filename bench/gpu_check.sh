@@ -33,9 +33,9 @@ phase() {  # phase NAME SECONDS COMMAND...: run with a time limit, log, record t
 TRAIN="python3 train.py --recipe"
 
 smoke() {
-  phase sft_fp32 60 $TRAIN tiny_sft logging.progress=false train.max_steps=20 logging.run_dir="$LOGS/sft_fp32"
+  phase sft_fp32 60 $TRAIN tiny_sft logging.progress=false train.max_steps=20 train.precision=fp32 logging.run_dir="$LOGS/sft_fp32"
   phase sft_bf16 60 $TRAIN tiny_sft logging.progress=false train.max_steps=20 train.precision=bf16 logging.run_dir="$LOGS/sft_bf16"
-  phase grpo 90 $TRAIN tiny_grpo logging.progress=false checkpoint.load= train.max_steps=3 logging.run_dir="$LOGS/grpo"
+  phase grpo 90 $TRAIN tiny_grpo logging.progress=false checkpoint.load= train.max_steps=3 train.precision=fp32 logging.run_dir="$LOGS/grpo"
   phase grpo_bf16 90 $TRAIN tiny_grpo logging.progress=false checkpoint.load= train.max_steps=3 train.precision=bf16 \
       logging.run_dir="$LOGS/grpo_bf16"
 }

@@ -39,6 +39,11 @@ def synchronize(device: torch.device):
         torch.cuda.synchronize(device)
 
 
+def bench_dtype() -> torch.dtype:
+    """Both engines compute in bf16 on a GPU, in fp32 on CPU."""
+    return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+
+
 def matmul_tflops(device: torch.device, dtype: torch.dtype = torch.float32, repeat: int = 20) -> float:
     """The device's GEMM rate in `dtype` (1024^3 products on CPU, 8192^3 on a GPU): the faster of
     torch.matmul and, on CPU in fp32, oneDNN's linear (which our linear layers use there; on AMD CPUs
@@ -66,7 +71,7 @@ def hf_generator(path, prompts, new_tokens, seed, stop_at_eos, device):
     """A function that runs transformers' generate once and returns (seconds, generated tokens)."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval().to(device)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=bench_dtype()).eval().to(device)
     ids = torch.tensor(prompts, device=device)
     eos = model.generation_config.eos_token_id
 
@@ -97,11 +102,12 @@ def our_generator(path, prompts, new_tokens, seed, stop_at_eos):
     from transformers import AutoTokenizer
 
     cfg = Config(model=model_config_from_hf(path))
+    cfg.train.precision = "bf16" if bench_dtype() == torch.bfloat16 else "fp32"
     chunks, _ = build_model(cfg, wrap_ddp=False)
     import_hf(chunks, cfg.model, path)
     rollout = RolloutConfig(max_new_tokens=new_tokens, max_sequence_length=len(prompts[0]) + new_tokens + 8,
                             max_requests=len(prompts), temperature=1.0, kv_cache_gb=1.0)
-    engine = RolloutEngine(chunks, cfg.model, AutoTokenizer.from_pretrained(str(path)), rollout, torch.float32,
+    engine = RolloutEngine(chunks, cfg.model, AutoTokenizer.from_pretrained(str(path)), rollout, bench_dtype(),
                            stop_at_eos=stop_at_eos)
 
     def run():
@@ -171,9 +177,9 @@ def main():
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, 36, (args.batch, args.prompt_len), generator=g).tolist()
 
-    flops = matmul_tflops(platform.device())
+    flops = matmul_tflops(platform.device(), bench_dtype())
     floor_tps = flops * 1e12 / (2 * params)
-    result = {"model": f"Qwen3-shaped {params / 1e6:.1f}M params, fp32", "batch": args.batch, "repeats": args.repeats,
+    result = {"model": f"Qwen3-shaped {params / 1e6:.1f}M params, {str(bench_dtype())[6:]}", "batch": args.batch, "repeats": args.repeats,
               "max_new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "matmul_tflops": round(flops, 3),
               "floor_tokens_per_s": round(floor_tps, 1)}
     for setting, stop_at_eos in (("fixed", False), ("rl", True)):

@@ -183,7 +183,9 @@ def init_distributed(launch: Launch | None = None, timeout_minutes: int = 30) ->
         torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
     from datetime import timedelta
 
-    backend = "nccl" if has_cuda() else "gloo"
+    # On GPUs, NCCL for CUDA tensors and gloo for the CPU tensors that metrics and flags use (a plain
+    # "nccl" group refuses a CPU tensor: "No backend type associated with device type cpu").
+    backend = "cpu:gloo,cuda:nccl" if has_cuda() else "gloo"
     if launch.world_size == 1:  # nothing to meet: a store in memory, so one-process runs never compete for a port
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timedelta(minutes=timeout_minutes))
