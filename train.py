@@ -90,6 +90,7 @@ def main(argv=None) -> int:
     from megatron_rl.training.step import Diverged
 
     platform.watch_preemption()  # SIGTERM, SIGUSR1: finish the step, save, exit 0
+    platform.tie_process_lifetimes()  # nothing survives a kill -9 of this process or of torchrun
 
     try:
         final = get_algorithm(cfg.algorithm.name).run(cfg, run_dir)

@@ -1,20 +1,30 @@
 """Checkpoints with megatron dist_checkpointing: model, optimizer, schedule, RNG and data position.
 
-Layout: <run_dir>/checkpoints/step_<N>/ (a dist_checkpointing directory). A checkpoint is
-complete once rank 0 has written `complete` into it after every rank finished; resume picks the
-newest complete one. Tensors are saved in the layout-independent sharded format, so a checkpoint
-saved at one TP/PP/DP layout loads at another (resharding). RNG states are per rank and are only
-restored when the layout is unchanged.
+Layout: <run_dir>/checkpoints/step_<N>/ (a dist_checkpointing directory). Every rank writes into a
+temporary sibling, .step_<N>.partial; rank 0 then fsyncs the files, writes the `complete` marker
+(each file's size, and its SHA-256 with checkpoint.verify=full), renames the directory into place
+and points checkpoints/latest at it. So a step_<N> directory is always whole: a run killed while
+saving leaves only a .partial directory, which the next save removes. Resume picks the newest
+checkpoint whose files match its marker, warning about any damaged one it passes over. Rotation
+(checkpoint.keep) removes an old checkpoint's marker before its files, after the new one is in place.
+Tensors are saved in the layout-independent sharded format, so a checkpoint saved at one TP/PP/DP
+layout loads at another (resharding). RNG states are per rank and are only restored when the layout
+is unchanged.
 """
 
 import dataclasses
+import hashlib
+import json
+import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-MARKER = "complete"
+MARKER = "complete"  # JSON: {"step": N, "files": {relative path: bytes}, "sha256": {...} with verify=full}
+LATEST = "latest"  # checkpoints/latest: the name of the newest checkpoint
 ASSETS = "hf"  # HF files kept with a checkpoint: tokenizer, HF config (see megatron_rl/hf)
 # The distributed optimizer's state in model-parameter shapes, like the plain optimizer's: it
 # loads at any TP/PP/DP layout. (0.16.1's default, 'fully_sharded_model_space', is refused by its
@@ -26,10 +36,92 @@ def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step:07d}"
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
+def latest_checkpoint(run_dir: str | Path, verify: str = "size") -> Path | None:
+    """The newest checkpoint of a run directory whose files match its marker; damaged newer ones are
+    passed over with a warning."""
     root = Path(run_dir) / "checkpoints"
     done = sorted(p for p in root.glob("step_*") if (p / MARKER).exists()) if root.is_dir() else []
-    return done[-1] if done else None
+    for path in reversed(done):
+        problem = damage(path, verify)
+        if problem is None:
+            return path
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"warning: passing over checkpoint {path}: {problem}", file=sys.stderr, flush=True)
+    return None
+
+
+def _files(path: Path) -> list[Path]:
+    return sorted(f for f in path.rglob("*") if f.is_file() and f.name != MARKER)
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def damage(path: Path, verify: str = "size") -> str | None:
+    """What is wrong with a checkpoint's files against its marker (a missing or truncated file; with
+    verify='full' also changed contents), or None. Markers of older versions list no files."""
+    try:
+        marker = json.loads((path / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(marker, dict):
+        return None
+    for name, size in marker.get("files", {}).items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} is {file.stat().st_size} bytes, its marker recorded {size} (truncated or overwritten)"
+        if verify == "full" and name in marker.get("sha256", {}) and _sha256(file) != marker["sha256"][name]:
+            return f"{name} does not match its recorded SHA-256 (corrupted)"
+    return None
+
+
+def _fsync(path: Path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_file(path: Path, text: str):
+    """Write `text` to `path` atomically: a temporary file, fsync, rename, fsync of the directory."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    _fsync(tmp)
+    os.replace(tmp, path)
+    _fsync(path.parent)
+
+
+def _remove(path: Path):
+    """Remove a checkpoint: its marker first (durably), so a crash halfway leaves no complete-looking
+    directory."""
+    (path / MARKER).unlink(missing_ok=True)
+    _fsync(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _publish(tmp: Path, path: Path, step: int, verify: str):
+    """Make the fully written `tmp` the checkpoint `path` (rank 0)."""
+    files = _files(tmp)
+    for f in files:
+        _fsync(f)
+    marker = {"step": step, "files": {str(f.relative_to(tmp)): f.stat().st_size for f in files}}
+    if verify == "full":
+        marker["sha256"] = {str(f.relative_to(tmp)): _sha256(f) for f in files}
+    _replace_file(tmp / MARKER, json.dumps(marker, indent=1))
+    for d in {f.parent for f in files} | {tmp}:
+        _fsync(d)
+    if path.exists():  # the same step saved again (a rerun from an earlier checkpoint)
+        _remove(path)
+    os.replace(tmp, path)
+    _fsync(path.parent)
 
 
 def _model_state(model: list) -> dict:
@@ -91,29 +183,30 @@ def _set_rng_state(state: dict):
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _write(path: Path, state: dict, assets: str | Path | None):
-    """dist_checkpointing.save of `state` into a fresh `path`, the HF assets (tokenizer, HF
-    config) into path/hf, and the completion marker once every rank is done."""
+def _write(path: Path, state: dict, assets: str | Path | None, verify: str = "size"):
+    """dist_checkpointing.save of `state` into a temporary sibling of `path`, the HF assets
+    (tokenizer, HF config) into its hf/, then published as `path` once every rank is done."""
     from megatron.core import dist_checkpointing
 
     from megatron_rl.hf.files import copy_assets
 
+    tmp = path.with_name(f".{path.name}.partial")
     if dist.get_rank() == 0:
-        if path.exists():
-            shutil.rmtree(path)
-        path.mkdir(parents=True)
+        if tmp.exists():  # left by a run killed while saving
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(state, str(path))
+    dist_checkpointing.save(state, str(tmp))
     dist.barrier()
     if dist.get_rank() == 0:
         if assets:
-            copy_assets(assets, path / ASSETS)
-        (path / MARKER).write_text(str(state.get("step", 0)))
+            copy_assets(assets, tmp / ASSETS)
+        _publish(tmp, path, state.get("step", 0), verify)
     dist.barrier()
 
 
 def save(trainee, run_dir: str | Path, step: int, extra: dict, keep: int = 0, model=None,
-         assets: str | Path | None = None) -> Path:
+         assets: str | Path | None = None, verify: str = "size") -> Path:
     """Save everything needed to resume at `step`; `extra` holds plain picklable state (data
     position), `model` the ModelConfig (so tools can rebuild the model), `assets` a directory of
     HF files (tokenizer, config) that an HF export of this checkpoint needs."""
@@ -129,9 +222,11 @@ def save(trainee, run_dir: str | Path, step: int, extra: dict, keep: int = 0, mo
         "step": step,
         "extra": extra,
         "model_config": dataclasses.asdict(model) if model is not None else None,
-    }, assets)
+    }, assets, verify)
     if dist.get_rank() == 0:
+        _replace_file(path.parent / LATEST, path.name + "\n")
         _prune(Path(run_dir), keep)
+    dist.barrier()
     return path
 
 
@@ -161,7 +256,7 @@ def _prune(run_dir: Path, keep: int):
         return
     done = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if (p / MARKER).exists())
     for old in done[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
 
 
 def is_ours(path: str | Path) -> bool:
@@ -191,6 +286,10 @@ def _require_complete(path: Path):
         raise FileNotFoundError(
             f"{str(path)!r} is not a complete megatron-rl checkpoint (no '{MARKER}' marker); "
             f"point checkpoint.load at a checkpoints/step_N directory.")
+    problem = damage(path)
+    if problem:
+        raise FileNotFoundError(f"checkpoint {str(path)!r} is damaged: {problem}; load an earlier checkpoint "
+                                "(checkpoint.resume passes over damaged ones).")
 
 
 def _architecture_diff(saved: dict, model) -> list[str]:

@@ -95,15 +95,93 @@ def _wait_for_steps(run_dir, n: int, proc, timeout: float = 120):
     raise AssertionError(f"{run_dir} did not log {n} steps")
 
 
-def _start(args: list[str], nproc: int = 1):
+def _start(args: list[str], nproc: int = 1, quiet: bool = False):
     import subprocess
     import sys
 
     from tests.helpers import ROOT, launch_env, torchrun
 
     launcher = [sys.executable] if nproc == 1 else torchrun(nproc)
-    return subprocess.Popen([*launcher, "train.py", *args], cwd=ROOT, env=launch_env(nproc), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    out = subprocess.DEVNULL if quiet else subprocess.PIPE
+    return subprocess.Popen([*launcher, "train.py", *args], cwd=ROOT, env=launch_env(nproc), stdout=out, stderr=out,
+                            text=True, start_new_session=True)
+
+
+def _processes_of(run_dir) -> list[int]:
+    """Live processes (not zombies) started for the run writing to run_dir, forked children included."""
+    from pathlib import Path
+
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if f"logging.run_dir={run_dir}".encode() in (proc / "cmdline").read_bytes() and \
+                    ") Z " not in (proc / "stat").read_text():
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def _kill_and_resume(run: list[str], run_dir, seed: int, kills: int = 5, nproc: int = 1) -> int:
+    """Start `run` in run_dir, SIGKILL it at a random moment, resume; `kills` times, the second kill
+    while a checkpoint is being written; then run to the end. One process: only the main process is
+    killed, and nothing it forked may outlive it; several: only torchrun, and no rank may outlive it. After each
+    kill every published checkpoint is intact. Returns how many kills hit a save."""
+    import os
+    import random
+    import signal
+    import time
+
+    from megatron_rl.checkpointing import damage, latest_checkpoint
+
+    rng, in_save = random.Random(seed), 0
+    for kill in range(kills):
+        resume = "true" if latest_checkpoint(run_dir) else "auto"
+        proc = _start([*run, f"checkpoint.resume={resume}", f"logging.run_dir={run_dir}"], nproc, quiet=True)
+        logged = len(metrics(run_dir)) if (run_dir / "metrics.jsonl").exists() else 0
+        t0 = time.time()
+        while proc.poll() is None and time.time() - t0 < 120:
+            rows = len((run_dir / "metrics.jsonl").read_text().splitlines()) if (run_dir / "metrics.jsonl").exists() else 0
+            saving = any((run_dir / "checkpoints").glob(".step_*.partial/*"))
+            if (kill == 1 and saving) or (kill != 1 and rows > logged + rng.randrange(3)):
+                break
+            time.sleep(0.002)
+        assert proc.poll() is None, f"the run ended before kill {kill}"
+        if kill != 1:
+            time.sleep(rng.uniform(0, 0.3))
+        in_save += any((run_dir / "checkpoints").glob(".step_*.partial/*"))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.time() + 5
+        while _processes_of(run_dir) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not _processes_of(run_dir), f"processes of the killed run survive it (kill {kill})"
+        for path in (run_dir / "checkpoints").glob("step_*"):
+            assert damage(path) is None and (path / "complete").exists(), path
+    run_train([*run, "checkpoint.resume=true", f"logging.run_dir={run_dir}"], nproc=nproc)
+    return in_save
+
+
+def _without_timings(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in rows]
+
+
+@pytest.mark.parametrize("recipe, nproc", [
+    (["--recipe", "tiny_sft", *FAST, "train.max_steps=14"], 1),
+    # DAPO: GRPO with dynamic sampling (a varying number of prompt batches per step), from random weights
+    # (the overlong penalty gives groups unequal rewards, so steps update the model)
+    (["--recipe", "tiny_dapo", "checkpoint.load=", "train.max_steps=10", "algorithm.prompts_per_step=8",
+      "rollout.n=4", "data.micro_batch_size=16", "train.eval_every=0", "data.num_val=16", "logging.progress=false", "logging.tensorboard=false"], 1),
+    (["--recipe", "tiny_dapo", "checkpoint.load=", "train.max_steps=10", "algorithm.prompts_per_step=8",
+      "rollout.n=4", "data.micro_batch_size=16", "train.eval_every=0", "data.num_val=16", "logging.progress=false", "logging.tensorboard=false",
+      "parallel.dp=2"], 2)], ids=["sft", "dapo", "dapo-dp2"])
+def test_kill_9_anywhere_then_resume_is_bitwise(recipe, nproc, tmp_path):
+    """kill -9 at five random moments (one inside a checkpoint save), each followed by a resume: every
+    step after it equals the uninterrupted run bitwise (all metrics but timings), each step logged once."""
+    run = [*recipe, "checkpoint.save_every=2", "checkpoint.keep=2"]
+    run_train([*run, f"logging.run_dir={tmp_path / 'straight'}"], nproc=nproc)
+    assert _kill_and_resume(run, tmp_path / "killed", seed=len(recipe) + nproc, nproc=nproc) >= 1
+    assert _without_timings(metrics(tmp_path / "killed")) == _without_timings(metrics(tmp_path / "straight"))
 
 
 def _rank_pid(run_dir, rank: int) -> int:
@@ -179,3 +257,46 @@ def test_run_directory_of_another_run_is_refused(tmp_path):
         f"error: checkpoint.resume=true but {tmp_path / 'new'} has no complete checkpoint to resume from; use "
         "checkpoint.resume=auto to start fresh when there is none."]
     assert not (tmp_path / "new").exists()
+
+
+def test_damaged_checkpoint_is_named_and_passed_over(tmp_path):
+    """The completion marker records every file's size (and SHA-256 with checkpoint.verify=full): a
+    truncated shard is named in one sentence by checkpoint.load (exit 2, nothing written), and
+    checkpoint.resume passes over it with a warning to the newest intact checkpoint, from which the
+    run continues bitwise. A same-size corruption is caught by verify=full."""
+    import json
+
+    from megatron_rl.checkpointing import LATEST, MARKER
+
+    run = ["--recipe", "tiny_sft", *FAST, "train.max_steps=6", "checkpoint.save_every=2", "checkpoint.keep=3",
+           "checkpoint.verify=full"]
+    straight, damaged = tmp_path / "straight", tmp_path / "damaged"
+    run_train([*run, f"logging.run_dir={straight}"])
+    assert (straight / "checkpoints" / LATEST).read_text().strip() == "step_0000006"
+    marker = json.loads((checkpoint_dir(straight, 6) / MARKER).read_text())
+    assert marker["step"] == 6 and marker["files"] and set(marker["sha256"]) == set(marker["files"])
+    import shutil
+
+    shutil.copytree(straight, damaged)
+    shard = max(checkpoint_dir(damaged, 6).glob("*.distcp"), key=lambda f: f.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated
+
+    proc = run_train(["--recipe", "tiny_sft", *FAST, f"checkpoint.load={checkpoint_dir(damaged, 6)}",
+                      f"logging.run_dir={tmp_path / 'new'}"], check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and not (tmp_path / "new").exists()
+    assert proc.stderr.strip().splitlines() == [
+        f"error: checkpoint '{checkpoint_dir(damaged, 6)}' is damaged: {shard.name} is 100 bytes, its marker recorded "
+        f"{marker['files'][shard.name]} (truncated or overwritten); load an earlier checkpoint (checkpoint.resume "
+        "passes over damaged ones)."]
+
+    proc = run_train([*run, "checkpoint.resume=true", f"logging.run_dir={damaged}"])
+    assert f"warning: passing over checkpoint {checkpoint_dir(damaged, 6)}: {shard.name} is 100 bytes" in proc.stderr
+    assert metrics(damaged) == metrics(straight)[:4] + metrics(damaged)[4:]
+    assert column(damaged, "train/loss") == column(straight, "train/loss")  # steps 5 and 6 again, bitwise
+
+    data = bytearray(shard.read_bytes())  # the re-saved step 6: flip a byte, keep the size
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    proc = run_train([*run, "checkpoint.resume=true", f"logging.run_dir={damaged}"])
+    assert f"{shard.name} does not match its recorded SHA-256 (corrupted)" in proc.stderr
+    assert column(damaged, "train/loss") == column(straight, "train/loss")

@@ -21,6 +21,9 @@ class CheckpointConfig:
     """How many recent checkpoints to keep; 0 keeps all."""
     export_hf: bool = False
     """At the end, also write the model as a Hugging Face directory to <run_dir>/hf."""
+    verify: Literal["size", "full"] = "size"
+    """What a checkpoint's marker records and resume checks: each file's size (a truncated or missing
+    file), or also its SHA-256 (full: any corruption, at the cost of reading every file twice)."""
 
 
 @dataclass(kw_only=True)

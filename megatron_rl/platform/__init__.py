@@ -205,7 +205,7 @@ def init_distributed(launch: Launch | None = None, timeout_minutes: int = 30) ->
     return launch
 
 
-PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")  # a scheduler's notice (Slurm: sbatch --signal=USR1@120)
+PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")  # a scheduler's notice (Slurm: sbatch --signal=USR1@300)
 _preempted = []  # the signals this process got
 
 
@@ -225,6 +225,31 @@ def watch_preemption():
 
     for name in PREEMPTION_SIGNALS:
         signal.signal(getattr(signal, name), handler)
+
+
+def tie_process_lifetimes():
+    """A killed run leaves no process behind to train on, write into a checkpoint or wait on a queue
+    forever. Under torchrun this process dies with its agent (kill -9 of torchrun ends every rank),
+    and every process forked from now on (reward workers, dist_checkpointing's writers) dies with the
+    process that forked it, SIGKILL included. (Linux's PR_SET_PDEATHSIG; elsewhere a no-op. Not for
+    a plain `python train.py`, whose parent is a shell it may be meant to outlive.)"""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def follow(parent: int):
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before prctl: follow it now
+            os._exit(1)
+
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        follow(os.getppid())
+    forker = [0]
+    os.register_at_fork(before=lambda: forker.__setitem__(0, os.getpid()), after_in_child=lambda: follow(forker[0]))
 
 
 def preemption_requested() -> bool:

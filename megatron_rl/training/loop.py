@@ -70,7 +70,7 @@ def save_if_due(cfg: Config, trainee, run_dir: Path, step: int, last: bool, data
     preempted = not last and platform.preemption_requested()
     if cfg.checkpoint.save and (preempted or due(step, cfg.checkpoint.save_every, last)):
         checkpointing.save(trainee, run_dir, step, {"data": data_state}, cfg.checkpoint.keep, model=cfg.model,
-                           assets=assets)
+                           assets=assets, verify=cfg.checkpoint.verify)
     if preempted:
         log.write(f"preempted: stopped after step {step}" + (", saved a checkpoint; resume with "
                                                               "checkpoint.resume=auto" if cfg.checkpoint.save else ""))

@@ -154,7 +154,7 @@ def load_initial_state(trainee: Trainee, cfg: Config, run_dir):
     from megatron_rl import checkpointing
     from megatron_rl.hf import import_hf
 
-    latest = checkpointing.latest_checkpoint(run_dir) if cfg.checkpoint.resume else None
+    latest = checkpointing.latest_checkpoint(run_dir, cfg.checkpoint.verify) if cfg.checkpoint.resume else None
     if latest is None and cfg.checkpoint.resume is True:
         raise ConfigError(f"checkpoint.resume=true but {run_dir} has no complete checkpoint to resume from; use "
                           "checkpoint.resume=auto to start fresh when there is none.")
