@@ -87,6 +87,7 @@ def main(argv=None) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(cfg.to_json())
     from megatron_rl.algorithms import get_algorithm
+    from megatron_rl.checkpointing import SaveFailed
     from megatron_rl.training.step import Diverged
 
     platform.watch_preemption()  # SIGTERM, SIGUSR1: finish the step, save, exit 0
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
 
     try:
         final = get_algorithm(cfg.algorithm.name).run(cfg, run_dir)
-    except Diverged as e:  # every rank stops at the same step; the checkpoints stay
+    except (Diverged, SaveFailed) as e:  # every rank stops at the same step; the checkpoints stay
         if launch.rank == 0:
             print(f"error: {e}", file=sys.stderr)
         platform.shutdown()

@@ -13,6 +13,7 @@ is unchanged.
 """
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -183,9 +184,35 @@ def _set_rng_state(state: dict):
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+class SaveFailed(RuntimeError):
+    """A checkpoint could not be written (a full disk): the run stops, its previous checkpoint intact."""
+
+
+def _anywhere(flag: bool) -> bool:
+    """Whether `flag` holds on any rank."""
+    t = torch.tensor([float(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _no_space(error: BaseException | None, where: Path) -> bool:
+    """Whether a failed save ran out of space: ENOSPC or EDQUOT in the error's chain, or (torch's zip
+    writer reports a short write only as "unexpected pos") under 64 MiB left on the device."""
+    if shutil.disk_usage(where).free < 64 * 2**20:
+        return True
+    errors = [error]
+    while errors:
+        error = errors.pop()
+        if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(error):
+            return True
+        errors += [e for e in (error.__cause__, error.__context__, *getattr(error, "failures", {}).values()) if e]
+    return False
+
+
 def _write(path: Path, state: dict, assets: str | Path | None, verify: str = "size"):
     """dist_checkpointing.save of `state` into a temporary sibling of `path`, the HF assets
-    (tokenizer, HF config) into its hf/, then published as `path` once every rank is done."""
+    (tokenizer, HF config) into its hf/, then published as `path` once every rank is done. A full
+    disk on any rank raises SaveFailed on every rank and leaves no trace."""
     from megatron.core import dist_checkpointing
 
     from megatron_rl.hf.files import copy_assets
@@ -196,13 +223,46 @@ def _write(path: Path, state: dict, assets: str | Path | None, verify: str = "si
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(state, str(tmp))
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+    error = None
+    try:
+        dist_checkpointing.save(state, str(tmp))
+    except (Exception, CheckpointException) as e:  # decided below, on every rank together
+        error = e
+    if not _anywhere(error is not None) and dist.get_rank() == 0:
+        try:
+            if assets:
+                copy_assets(assets, tmp / ASSETS)
+            _publish(tmp, path, state.get("step", 0), verify)
+        except OSError as e:
+            error = e
+    if _anywhere(error is not None):
+        no_space = _anywhere(error is not None and _no_space(error, path.parent))
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not no_space:
+            raise error or RuntimeError(f"another rank failed to write {path.name}; its error says why")
+        free = shutil.disk_usage(path.parent).free / 2**20
+        raise SaveFailed(f"no space left on the device of {path.parent} to save {path.name} ({free:.0f} MiB free once "
+                         "the attempt was removed); the checkpoints before it are intact: free space or lower "
+                         "checkpoint.keep, then resume with checkpoint.resume=auto.")
     dist.barrier()
-    if dist.get_rank() == 0:
-        if assets:
-            copy_assets(assets, tmp / ASSETS)
-        _publish(tmp, path, state.get("step", 0), verify)
-    dist.barrier()
+
+
+def _warn_if_short_of_space(run_dir: Path):
+    """Rank 0, before a save: a warning when the free space is below the size of the latest checkpoint."""
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        return
+    try:
+        size = sum(json.loads((latest / MARKER).read_text())["files"].values())
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    free = shutil.disk_usage(latest.parent).free
+    if free < size:
+        print(f"warning: {free / 2**20:.1f} MiB free in {latest.parent}, less than the last checkpoint's "
+              f"{size / 2**20:.1f} MiB: the next save may fail", file=sys.stderr, flush=True)
 
 
 def save(trainee, run_dir: str | Path, step: int, extra: dict, keep: int = 0, model=None,
@@ -211,6 +271,8 @@ def save(trainee, run_dir: str | Path, step: int, extra: dict, keep: int = 0, mo
     position), `model` the ModelConfig (so tools can rebuild the model), `assets` a directory of
     HF files (tokenizer, config) that an HF export of this checkpoint needs."""
     path = checkpoint_dir(run_dir, step)
+    if dist.get_rank() == 0:
+        _warn_if_short_of_space(Path(run_dir))
     model_state = _model_state(trainee.model)
     _write(path, {
         "model": model_state,

@@ -300,3 +300,66 @@ def test_damaged_checkpoint_is_named_and_passed_over(tmp_path):
     proc = run_train([*run, "checkpoint.resume=true", f"logging.run_dir={damaged}"])
     assert f"{shard.name} does not match its recorded SHA-256 (corrupted)" in proc.stderr
     assert column(damaged, "train/loss") == column(straight, "train/loss")
+
+
+def test_full_disk_stops_the_run_in_one_sentence(tmp_path):
+    """A run directory on a tmpfs with room for one checkpoint more than the run needs, but not two:
+    the second save warns that space is short, fails, and the run stops in one sentence (exit 1) with
+    the first checkpoint intact and no partial directory left. (Needs root for the mount.)"""
+    import subprocess
+
+    from megatron_rl.checkpointing import damage, latest_checkpoint
+
+    run = ["--recipe", "tiny_sft", *FAST, "checkpoint.save_every=2", "checkpoint.keep=0"]
+    run_train([*run, "train.max_steps=2", f"logging.run_dir={tmp_path / 'sized'}"])
+
+    def used(path):  # bytes on a tmpfs: whole pages
+        return sum(-(-f.stat().st_size // 4096) * 4096 for f in path.rglob("*") if f.is_file())
+
+    room = used(tmp_path / "sized") + used(checkpoint_dir(tmp_path / "sized", 2)) // 2
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room}", "tmpfs", str(small)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        proc = run_train([*run, "train.max_steps=4", f"logging.run_dir={small / 'run'}"], check=False)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        lines = [line for line in proc.stderr.splitlines() if line.startswith(("warning:", "error:"))]
+        assert lines[0].startswith("warning: ") and "less than the last checkpoint's" in lines[0]
+        assert lines[1].startswith(f"error: no space left on the device of {small / 'run' / 'checkpoints'} to save "
+                                   "step_0000004") and lines[1].endswith("then resume with checkpoint.resume=auto.")
+        assert latest_checkpoint(small / "run") == checkpoint_dir(small / "run", 2)
+        assert damage(checkpoint_dir(small / "run", 2), "size") is None
+        assert sorted(p.name for p in (small / "run" / "checkpoints").iterdir()) == ["latest", "step_0000002"]
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+
+
+def test_writer_out_of_space_leaves_the_last_checkpoint(one_process, tmp_path, monkeypatch):
+    """ENOSPC from dist_checkpointing's writer, halfway through the shards: SaveFailed on every rank,
+    the partial directory removed, the previous checkpoint and the latest pointer untouched."""
+    import errno
+    from pathlib import Path
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl import checkpointing
+    from megatron_rl.config import apply_overrides
+    from megatron_rl.training.setup import build_trainee
+    from recipes import get_recipe
+
+    trainee = build_trainee(apply_overrides(get_recipe("tiny_sft"), ["model.vocab_size=16"]))
+    first = checkpointing.save(trainee, tmp_path, 1, {})
+    real_save = dist_checkpointing.save
+
+    def full_disk(state, path, *args, **kwargs):
+        (Path(path) / "__0_0.distcp").write_bytes(b"half a shard")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dist_checkpointing, "save", full_disk)
+    with pytest.raises(checkpointing.SaveFailed, match="no space left on the device of .* to save step_0000002"):
+        checkpointing.save(trainee, tmp_path, 2, {})
+    monkeypatch.setattr(dist_checkpointing, "save", real_save)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_0000001"]
+    assert checkpointing.latest_checkpoint(tmp_path) == first and checkpointing.damage(first) is None
