@@ -7,6 +7,7 @@
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -86,15 +87,27 @@ def main(argv=None) -> int:
     if launch.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(cfg.to_json())
+    import torch.distributed as dist
+
     from megatron_rl.algorithms import get_algorithm
     from megatron_rl.checkpointing import SaveFailed
+    from megatron_rl.platform import watchdog
     from megatron_rl.training.step import Diverged
 
     platform.watch_preemption()  # SIGTERM, SIGUSR1: finish the step, save, exit 0
     platform.tie_process_lifetimes()  # nothing survives a kill -9 of this process or of torchrun
+    watchdog.start(dist.distributed_c10d._get_default_store(), launch.rank, launch.world_size,
+                   cfg.train.hang_timeout_s)  # a dead, failed or frozen rank stops every rank
 
     try:
-        final = get_algorithm(cfg.algorithm.name).run(cfg, run_dir)
+        try:
+            final = get_algorithm(cfg.algorithm.name).run(cfg, run_dir)
+        except Exception as e:
+            if not isinstance(e, (Diverged, SaveFailed, ConfigError, ValueError, FileNotFoundError)):  # a crash
+                if watchdog.peer_failed():  # it follows another rank's failure, which that rank printed
+                    os._exit(1)
+                watchdog.abort(f"failed {launch.rank}: {type(e).__name__}")  # the others stop; this rank prints
+            raise
     except (Diverged, SaveFailed) as e:  # every rank stops at the same step; the checkpoints stay
         if launch.rank == 0:
             print(f"error: {e}", file=sys.stderr)

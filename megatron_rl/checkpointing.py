@@ -225,9 +225,12 @@ def _write(path: Path, state: dict, assets: str | Path | None, verify: str = "si
     dist.barrier()
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
+    from megatron_rl.platform import watchdog
+
     error = None
     try:
-        dist_checkpointing.save(state, str(tmp))
+        with watchdog.patient("checkpoint save"):
+            dist_checkpointing.save(state, str(tmp))
     except (Exception, CheckpointException) as e:  # decided below, on every rank together
         error = e
     if not _anywhere(error is not None) and dist.get_rank() == 0:

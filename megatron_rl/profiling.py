@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_rl.platform import watchdog
+
 
 class Profiler:
     def __init__(self, cfg=None, rank: int = 0, run_dir: str | Path = "."):
@@ -34,6 +36,7 @@ class Profiler:
         """One phase (rollout, logprob, train, eval ...): timed, an nvtx range, and a named range in
         the torch.profiler trace while it records."""
         t0 = time.perf_counter()
+        watchdog.beat(name)
         with contextlib.ExitStack() as stack:
             if self.nvtx:
                 torch.cuda.nvtx.range_push(name)
@@ -47,6 +50,8 @@ class Profiler:
 
     def step(self, step: int):
         """Call at the start of each step: opens and closes the capture window."""
+        watchdog.steps_started()
+        watchdog.beat(f"step {step}")
         self.steps += 1
         if step == self.start and not self.capturing:
             self.capturing = True

@@ -83,7 +83,8 @@ def test_diverging_run_skips_then_stops_in_one_sentence(tmp_path):
     assert (checkpoint_dir(tmp_path, rows[-1]["step"]) / "complete").exists()
 
 
-def _wait_for_steps(run_dir, n: int, proc, timeout: float = 120):
+def _wait_for_steps(run_dir, n: int, proc, timeout: float = 120, or_end: bool = False):
+    """Until run_dir's metrics.jsonl has n rows (or_end: or the run ended)."""
     import time
 
     t0 = time.time()
@@ -92,10 +93,11 @@ def _wait_for_steps(run_dir, n: int, proc, timeout: float = 120):
         if path.exists() and len(path.read_text().splitlines()) >= n:
             return
         time.sleep(0.02)
-    raise AssertionError(f"{run_dir} did not log {n} steps")
+    if not or_end:
+        raise AssertionError(f"{run_dir} did not log {n} steps")
 
 
-def _start(args: list[str], nproc: int = 1, quiet: bool = False):
+def _start(args: list[str], nproc: int = 1, quiet: bool = False, script: str = "train.py"):
     import subprocess
     import sys
 
@@ -103,7 +105,7 @@ def _start(args: list[str], nproc: int = 1, quiet: bool = False):
 
     launcher = [sys.executable] if nproc == 1 else torchrun(nproc)
     out = subprocess.DEVNULL if quiet else subprocess.PIPE
-    return subprocess.Popen([*launcher, "train.py", *args], cwd=ROOT, env=launch_env(nproc), stdout=out, stderr=out,
+    return subprocess.Popen([*launcher, script, *args], cwd=ROOT, env=launch_env(nproc), stdout=out, stderr=out,
                             text=True, start_new_session=True)
 
 
@@ -363,3 +365,38 @@ def test_writer_out_of_space_leaves_the_last_checkpoint(one_process, tmp_path, m
     monkeypatch.setattr(dist_checkpointing, "save", real_save)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_0000001"]
     assert checkpointing.latest_checkpoint(tmp_path) == first and checkpointing.damage(first) is None
+
+
+@pytest.mark.parametrize("fault", ["raise", "kill", "sleep"])
+def test_a_failed_dead_or_frozen_rank_stops_every_rank(fault, tmp_path):
+    """Two ranks under torchrun; at step 3 rank 1 raises, is SIGKILLed, or sleeps forever (as in a
+    deadlock; before that, at step 2, it waits 15 s in a patient phase, longer than
+    train.hang_timeout_s, as a long save would: the run goes on). Every process of the job ends
+    within 60 s of the fault (a frozen rank: of train.hang_timeout_s passing), the error is printed
+    once, by the rank that had it, and a frozen rank is named and its stacks printed."""
+    import os
+    import signal
+    import time
+
+    run = ["--recipe", "tiny_sft", *FAST, "train.max_steps=200", "parallel.dp=2", "train.hang_timeout_s=10",
+           "checkpoint.save=false", f"logging.run_dir={tmp_path}"]
+    if fault == "kill":
+        proc = _start(run, nproc=2)
+        _wait_for_steps(tmp_path, 2, proc)
+        os.kill(_rank_pid(tmp_path, 1), signal.SIGKILL)
+    else:
+        faults = "patient@2,sleep@3" if fault == "sleep" else "raise@3"
+        proc = _start(["1", faults, *run], nproc=2, script="tests/scripts/faulty_train.py")
+        _wait_for_steps(tmp_path, 2, proc, or_end=True)
+    t0 = time.time()
+    out, err = proc.communicate(timeout=150)
+    took = time.time() - t0 - (10 if fault == "sleep" else 0)
+    assert proc.returncode != 0 and took < 60, (proc.returncode, took, err[-3000:])
+    assert not _processes_of(tmp_path)
+    assert len(metrics(tmp_path)) < 4
+    if fault == "raise":
+        assert err.count("RuntimeError: injected failure on rank 1 at step 3") == 1, err[-3000:]
+        assert "[rank0]:" not in err  # rank 0's own error (its peer vanished) follows from it: not printed
+    if fault == "sleep":
+        assert "error: no rank made progress for " in err and "rank 1 stopped first, in phase 'forward'" in err
+        assert "faulty_train.py\", line" in err  # the frozen rank's stacks

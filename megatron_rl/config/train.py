@@ -26,6 +26,10 @@ class TrainConfig:
     max_skipped_steps: int = 10
     """An optimizer step whose loss or gradient norm is NaN or Inf applies no update (counted in
     train/skipped_steps); after this many in a row the run stops, keeping its last checkpoint."""
+    hang_timeout_s: float = 600
+    """With several processes: when no rank has made progress for this long (a rank froze and the
+    others wait for it), the frozen rank prints its stacks and every rank exits; a rank that died or
+    raised stops the others within seconds. 0: off. Collective timeouts stay long."""
 
 
 @dataclass(kw_only=True)

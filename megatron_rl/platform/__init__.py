@@ -284,6 +284,9 @@ def init_model_parallel(tp=1, pp=1, vpp=None, cp=1, ep=1, etp=None, seed=1234):
 def shutdown():
     from megatron.core import parallel_state
 
+    from megatron_rl.platform import watchdog
+
+    watchdog.stop()  # before the store goes away
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_rl.config import RolloutConfig
+from megatron_rl.platform import watchdog
 
 
 @dataclass
@@ -253,6 +254,7 @@ class RolloutEngine:
                 tape.start_recording(self.context)
             with torch.inference_mode():
                 while self.engine.has_unfinished_requests():
+                    watchdog.beat("rollout")
                     for record in self.engine.step_modern()["finished_request_records"]:
                         request = record.merge()
                         done[request.request_id] = request

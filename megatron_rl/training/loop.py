@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import Config
+from megatron_rl.platform import watchdog
 from megatron_rl.training.step import forward_backward, optimizer_step, reduce_reports, zero_grads
 
 
@@ -86,7 +87,8 @@ def finish(cfg: Config, trainee, run_dir: Path, assets, log, prof, metrics: dict
     prof.stop()
 
     if cfg.checkpoint.export_hf:
-        log.write(f"wrote {export_hf(trainee.model, cfg.model, run_dir / 'hf', assets=assets, overwrite=True)}")
+        with watchdog.patient("export to HF"):
+            log.write(f"wrote {export_hf(trainee.model, cfg.model, run_dir / 'hf', assets=assets, overwrite=True)}")
     if plot and dist.get_rank() == 0:
         log.write(f"plot: {plot_metrics(run_dir, list(plot))}")
     log.write("time per phase (rank 0):\n" + prof.table())

@@ -15,7 +15,7 @@ from functools import partial
 
 import torch
 
-from megatron_rl.platform import device
+from megatron_rl.platform import device, watchdog
 
 
 def cp_share(batch: dict) -> dict:
@@ -154,6 +154,7 @@ def _packed_forward(model, batch: dict):
 
 
 def _forward_step(loss_fn, data_iterator, model):
+    watchdog.beat("forward")
     batch = cp_share({k: v.to(device()) for k, v in next(data_iterator).items()})
     tokens = batch["tokens"]
     if "pack_cu" in batch:
@@ -256,6 +257,7 @@ def optimizer_step(trainee) -> tuple[bool, float]:
     global gradient norm, the same all-reduced number on every rank: then no rank updates (megatron's
     bf16/fp32 optimizers would step anyway) and the LR schedule stays; the step's data is consumed.
     After trainee.max_skipped_steps such steps in a row, Diverged."""
+    watchdog.beat("optimizer step")
     optimizer = trainee.optimizer
     if not optimizer.prepare_grads():  # (fp16 loss scaling's own overflow check said nothing)
         norm = optimizer.get_grad_norm()

@@ -1,0 +1,41 @@
+"""train.py with faults injected on one rank at given optimizer steps (tests/test_faults.py):
+
+    torchrun --nproc_per_node 2 tests/scripts/faulty_train.py RANK FAULT@STEP[,FAULT@STEP...] [train.py arguments]
+
+FAULT: raise (a RuntimeError), sleep (forever, as a rank stuck in a deadlock would), or patient (15 s
+inside watchdog.patient, as a long checkpoint save: a legitimate wait).
+"""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import train  # noqa: E402
+from megatron_rl.platform import watchdog  # noqa: E402
+from megatron_rl.training import loop  # noqa: E402
+
+rank = int(sys.argv[1])
+faults = {int(step): fault for fault, step in (f.split("@") for f in sys.argv[2].split(","))}
+optimizer_step, steps = loop.optimizer_step, [0]
+
+
+def faulty(trainee):
+    steps[0] += 1
+    fault = faults.get(steps[0]) if int(os.environ.get("RANK", "0")) == rank else None
+    if fault == "raise":
+        raise RuntimeError(f"injected failure on rank {rank} at step {steps[0]}")
+    if fault == "sleep":
+        while True:
+            time.sleep(1)
+    if fault == "patient":
+        with watchdog.patient("a long save"):
+            time.sleep(15)
+    return optimizer_step(trainee)
+
+
+loop.optimizer_step = faulty
+if __name__ == "__main__":
+    sys.exit(train.main(sys.argv[3:]))
