@@ -23,6 +23,7 @@ setup(
         "tensorboard",
         "matplotlib",
         "math-verify",  # the 'math' reward
+        "pyarrow",  # parquet data files
     ],
     extras_require={
         # what megatron-core 0.16.1 supports; the Dockerfile installs it against the image's own versions

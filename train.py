@@ -85,8 +85,7 @@ def main(argv=None) -> int:
     platform.init_model_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp if p.vpp > 1 else None, cp=p.cp, ep=p.ep,
                                  etp=p.etp or None, seed=cfg.train.seed)
     if launch.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(cfg.to_json())
+        run_dir.mkdir(parents=True, exist_ok=True)  # config.json comes once everything loaded (write_run_assets)
     import torch.distributed as dist
 
     from megatron_rl.algorithms import get_algorithm

@@ -361,7 +361,8 @@ def _architecture_diff(saved: dict, model) -> list[str]:
     """'field=saved (yours: ours)' for each architecture field in which `saved` differs from `model`."""
     ours = dataclasses.asdict(model)
     return [f"{k}={saved[k]!r} (yours: {ours[k]!r})" for k in saved
-            if k in ours and k not in model.TRAINING_CHOICES and saved[k] != ours[k]]
+            if k in ours and k not in model.TRAINING_CHOICES and saved[k] != ours[k]
+            and not (k == "vocab_size" and ours[k] == 0)]  # 0: the tokenizer's, known once it loads
 
 
 def check_same_run(run_dir: str | Path, cfg):

@@ -400,3 +400,35 @@ def test_a_failed_dead_or_frozen_rank_stops_every_rank(fault, tmp_path):
     if fault == "sleep":
         assert "error: no rank made progress for " in err and "rank 1 stopped first, in phase 'forward'" in err
         assert "faulty_train.py\", line" in err  # the frozen rank's stacks
+
+
+GRPO_QUICK = ["checkpoint.load=", "algorithm.prompts_per_step=8", "rollout.n=4", "data.micro_batch_size=16",
+              "rewards.overlong_buffer=2", "train.eval_every=0", "data.num_val=16", "scheduler.decay_steps=100",
+              "logging.progress=false", "logging.tensorboard=false"]
+# (from random weights: the overlong penalty gives groups unequal rewards, so steps update the model)
+
+
+def test_every_grpo_family_switch_resumes_bitwise(tmp_path):
+    """A stop after step 2 and checkpoint.resume=true give every later step of the uninterrupted run,
+    bitwise (all metrics but timings), for each GRPO-family recipe: GSPO, Dr. GRPO, CISPO, GDPO,
+    importance-sampling correction, a KL penalty against the reference (which starts from a checkpoint:
+    the reference is its weights), and MoE router replay."""
+    init = tmp_path / "init"
+    variants = {"gspo": ["--recipe", "tiny_gspo"], "drgrpo": ["--recipe", "tiny_drgrpo"],
+                "cispo": ["--recipe", "tiny_cispo"], "gdpo": ["--recipe", "tiny_gdpo"],
+                "is": ["--recipe", "tiny_grpo_is"], "moe": ["--recipe", "tiny_moe_grpo"],
+                "kl": ["--recipe", "tiny_grpo", "algorithm.kl_coef=0.05", f"checkpoint.load={init}"]}
+    runs = [["--recipe", "tiny_sft", *FAST, "train.max_steps=1", f"logging.run_dir={init}"]]
+    for name, recipe in variants.items():
+        run = [*recipe[:2], *GRPO_QUICK, *recipe[2:], "train.max_steps=4", "checkpoint.save_every=2"]
+        runs += [[*run, f"logging.run_dir={tmp_path / name / 'straight'}"],
+                 [*run, "train.max_steps=2", f"logging.run_dir={tmp_path / name / 'split'}"],
+                 [*run, "checkpoint.resume=true", f"logging.run_dir={tmp_path / name / 'split'}"]]
+    from tests.helpers import run_recipes
+
+    run_recipes(runs)
+    for name in variants:  # (the split run also evaluated at its stop, step 2)
+        straight, split = ([{k: v for k, v in row.items() if k.startswith(("step", "train/", "rollout/"))}
+                            for row in metrics(tmp_path / name / r)] for r in ("straight", "split"))
+        assert split == straight, name
+        assert any(row.get("train/grad_norm", 0) > 0 for row in straight), name  # the model did learn

@@ -132,8 +132,8 @@ def run(cfg: Config, run_dir: Path) -> dict:
     data = preference.prepare(cfg, run_dir)
     tokenizer, train, val = data.tokenizer, data.train, data.val
     trainee = build_trainee(cfg)
-    assets = write_run_assets(cfg, run_dir, tokenizer)
     latest, state = load_initial_state(trainee, cfg, run_dir)
+    assets = write_run_assets(cfg, run_dir, tokenizer)
     step = state["step"] if state else 0
     log, prof = start_log(cfg, run_dir, step, latest)
     log.write(data.note)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron_rl import losses
 from megatron_rl.config import Config, ConfigError
 from megatron_rl.data import rl as rl_data
-from megatron_rl.data.sft import Batches, read_jsonl
+from megatron_rl.data.sft import Batches, read_jsonl, report_skipped
 from megatron_rl.data.tasks import data_files
 from megatron_rl.rewards import build_scorer
 from megatron_rl.rollout.engine import Rollout, RolloutEngine
@@ -220,10 +220,12 @@ def run(cfg: Config, run_dir: Path) -> dict:
     tokenizer, train_path, val_path = data_files(cfg, run_dir)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = len(tokenizer)
-    train_prompts, train_meta = rl_data.encode_prompts(read_jsonl(train_path), tokenizer, str(train_path))
-    val_prompts, val_meta = rl_data.encode_prompts(read_jsonl(val_path), tokenizer, str(val_path)) if val_path else ([], [])
+    seq, skip = cfg.data.seq_length, cfg.data.on_bad_row
+    train_rows, val_rows = read_jsonl(train_path, skip), read_jsonl(val_path, skip) if val_path else None
+    train_prompts, train_meta = rl_data.encode_prompts(train_rows, tokenizer, seq)
+    val_prompts, val_meta = rl_data.encode_prompts(val_rows, tokenizer, seq) if val_rows else ([], [])
+    report_skipped(train_rows, val_rows)
     trainee = build_trainee(cfg)
-    assets = write_run_assets(cfg, run_dir, tokenizer)
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     stream = Batches({"index": torch.arange(len(train_prompts))}, a.prompts_per_step, cfg.data.seed, dp_rank, dp)
 
@@ -232,6 +234,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
         return [train_prompts[i] for i in index], [train_meta[i] for i in index]
 
     latest, state = load_initial_state(trainee, cfg, run_dir)
+    assets = write_run_assets(cfg, run_dir, tokenizer)
     step = state["step"] if state else 0
     if state:
         stream.load_state_dict(state["extra"]["data"])

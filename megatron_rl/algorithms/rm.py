@@ -71,8 +71,8 @@ def run(cfg: Config, run_dir: Path) -> dict:
 
     data = preference.prepare(cfg, run_dir)
     trainee = build_trainee(cfg)
-    assets = write_run_assets(cfg, run_dir, data.tokenizer)
     latest, state = load_initial_state(trainee, cfg, run_dir)
+    assets = write_run_assets(cfg, run_dir, data.tokenizer)
     step = state["step"] if state else 0
     batches = Batches(data.train, cfg.data.global_batch_size, cfg.data.seed, ps.get_data_parallel_rank(),
                       ps.get_data_parallel_world_size())

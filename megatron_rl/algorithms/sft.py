@@ -40,8 +40,11 @@ def sft_loss(vocab_size: int, batch: dict, logits: torch.Tensor):
 def prepare_data(cfg: Config, run_dir: Path):
     """Tokenizer and encoded train/val tensors."""
     tokenizer, train_path, val_path = data_files(cfg, run_dir)
-    train = sft_data.encode(sft_data.read_jsonl(train_path), tokenizer, cfg.data.seq_length, str(train_path))
-    val = sft_data.encode(sft_data.read_jsonl(val_path), tokenizer, cfg.data.seq_length, str(val_path)) if val_path else None
+    skip = cfg.data.on_bad_row
+    train_rows, val_rows = sft_data.read_jsonl(train_path, skip), sft_data.read_jsonl(val_path, skip) if val_path else None
+    train = sft_data.encode(train_rows, tokenizer, cfg.data.seq_length)
+    val = sft_data.encode(val_rows, tokenizer, cfg.data.seq_length) if val_rows else None
+    sft_data.report_skipped(train_rows, val_rows)
     return tokenizer, train, val
 
 
@@ -64,8 +67,8 @@ def run(cfg: Config, run_dir: Path) -> dict:
     trainee = build_trainee(cfg)
     batches = sft_data.Batches(train, cfg.data.global_batch_size, cfg.data.seed,
                                ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
-    assets = write_run_assets(cfg, run_dir, tokenizer)
     latest, state = load_initial_state(trainee, cfg, run_dir)
+    assets = write_run_assets(cfg, run_dir, tokenizer)
     step = state["step"] if state else 0
     if state:
         batches.load_state_dict(state["extra"]["data"])

@@ -13,8 +13,11 @@ class DataConfig:
     task: str = "arithmetic"
     """A built-in synthetic task ('arithmetic'), or '' to read train_path/val_path."""
     train_path: str = ""
-    """JSONL with {"prompt", "response"} or {"messages": [...]} rows."""
+    """JSONL (or .parquet) with {"prompt", "response"} or {"messages": [...]} rows."""
     val_path: str = ""
+    on_bad_row: Literal["fail", "skip"] = "fail"
+    """A malformed row (bad JSON or UTF-8, a missing or mistyped field, too long): fail names it and
+    stops; skip drops it, and the log says how many rows were dropped and where the first few were."""
     tokenizer: str = ""
     """A Hugging Face tokenizer directory; empty means model.hf_path's, else the task's own (built locally)."""
     pad_token: str = ""

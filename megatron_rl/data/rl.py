@@ -2,17 +2,33 @@
 
 import torch
 
-from .sft import DataError, prompt_ids
+from .sft import DataError, Rows, prompt_ids
 
 
-def encode_prompts(rows: list[dict], tokenizer, source: str) -> tuple[list[list[int]], list[dict]]:
-    """Token ids ([bos] prompt) and metadata (every other field, e.g. 'answer') of each row."""
-    for i, row in enumerate(rows, 1):
+def encode_prompts(rows: Rows, tokenizer, seq_length: int) -> tuple[list[list[int]], list[dict]]:
+    """Token ids ([bos] prompt) and metadata (every other field, e.g. 'answer') of each row; a prompt
+    must leave room for a completion in seq_length tokens."""
+    good = []
+    for i, row in enumerate(rows):
         if "prompt" not in row:
-            raise DataError(f"{source}:{i}: an RL row needs a 'prompt' (and what its reward function reads, "
-                            f"e.g. 'answer'); got keys {sorted(row)}.")
-    prompts = prompt_ids(tokenizer, [str(row["prompt"]) for row in rows])
-    return prompts, [{k: v for k, v in row.items() if k != "prompt"} for row in rows]
+            rows.bad(DataError(f"{rows.where(i)}: an RL row needs a 'prompt' (and what its reward function reads, "
+                               f"e.g. 'answer'); got keys {sorted(row)}."))
+        elif not isinstance(row["prompt"], str):
+            rows.bad(DataError(f"{rows.where(i)}: 'prompt' must be a string, not {type(row['prompt']).__name__}."))
+        else:
+            good.append(i)
+    rows = rows.keep(good)
+    prompts = prompt_ids(tokenizer, [row["prompt"] for row in rows])
+    fits = []
+    for i, p in enumerate(prompts):
+        if len(p) >= seq_length:
+            rows.bad(DataError(f"{rows.where(i)}: the prompt's {len(p)} tokens leave no room for a completion in "
+                               f"data.seq_length={seq_length}; raise data.seq_length or shorten the prompt."))
+        else:
+            fits.append(i)
+    if not fits:
+        raise DataError(f"{rows.source}: no row is left after skipping bad ones.")
+    return [prompts[i] for i in fits], [{k: v for k, v in rows[i].items() if k != "prompt"} for i in fits]
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]], seq_length: int, pad_id: int,

@@ -15,28 +15,109 @@ class DataError(ValueError):
     """A malformed data file or row; the message names the file and line."""
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
+class Rows(list):
+    """A data file's rows, with each row's line in the file (its row number in a parquet file) and the
+    messages of the rows dropped under data.on_bad_row=skip."""
+
+    def __init__(self, source: str, on_bad_row: str = "fail"):
+        super().__init__()
+        self.source, self.on_bad_row, self.lines, self.skipped = source, on_bad_row, [], []
+
+    def where(self, i: int) -> str:
+        return f"{self.source}:{self.lines[i] if i < len(self.lines) else i + 1}"
+
+    def bad(self, error: DataError):
+        """A bad row: raised (fail), or counted and dropped by the caller (skip)."""
+        if self.on_bad_row != "skip":
+            raise error
+        self.skipped.append(str(error))
+
+    def keep(self, good: list[int]) -> "Rows":
+        """These rows only (the others were bad and skipped), with their lines."""
+        kept = Rows(self.source, self.on_bad_row)
+        kept.extend(self[i] for i in good)
+        kept.lines, kept.skipped = [self.lines[i] for i in good], self.skipped
+        return kept
+
+    def report(self) -> str | None:
+        if not self.skipped:
+            return None
+        return f"data.on_bad_row=skip: dropped {len(self.skipped)} bad row(s) of {self.source}: " + "; ".join(
+            self.skipped[:3]) + (" ..." if len(self.skipped) > 3 else "")
+
+
+def report_skipped(*rows: "Rows | None"):
+    """Rank 0 says how many bad rows of each file data.on_bad_row=skip dropped, and where."""
+    import torch.distributed as dist
+
+    for r in rows:
+        if r is not None and r.report() and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(r.report(), flush=True)
+
+
+def read_jsonl(path: str | Path, on_bad_row: str = "fail") -> Rows:
+    """The rows of a JSONL file (one JSON object per line), or of a parquet file (by its suffix)."""
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"data file {str(path)!r} is a directory; point at a .jsonl or .parquet file in it.")
     if not path.is_file():
         raise DataError(f"data file {str(path)!r} does not exist.")
-    rows = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}).") from None
+    rows = Rows(str(path), on_bad_row)
+    if path.suffix == ".parquet":
+        rows.extend(_read_parquet(path))
+        rows.lines = list(range(1, len(rows) + 1))
+    else:
+        with path.open("rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    row = _parse_line(raw, f"{path}:{lineno}")
+                except DataError as e:
+                    rows.bad(e)
+                    continue
+                if row is not None:
+                    rows.append(row)
+                    rows.lines.append(lineno)
     if not rows:
-        raise DataError(f"data file {str(path)!r} has no rows.")
+        raise DataError(f"data file {str(path)!r} has no rows" + (" left after skipping bad ones" if rows.skipped
+                                                                   else "") + ".")
     return rows
+
+
+def _parse_line(raw: bytes, where: str) -> dict | None:
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: not UTF-8 text (byte {raw[e.start]:#x} at column {e.start + 1}); "
+                        "convert the file to UTF-8.") from None
+    if not line.strip():
+        return None
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: not valid JSON ({e.msg}).") from None
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a row must be a JSON object, not {type(row).__name__}.")
+    return row
+
+
+def _read_parquet(path: Path) -> list[dict]:
+    try:
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    except ImportError:
+        raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow).") from None
+    except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged or foreign file
+        raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {str(e)[:120]}).") from None
 
 
 def split_row(row: dict, tokenizer, where: str) -> tuple[str, str]:
     """(prompt text, response text) of one row."""
     if "prompt" in row and "response" in row:
-        return str(row["prompt"]), str(row["response"])
+        for key in ("prompt", "response"):
+            if not isinstance(row[key], str):
+                raise DataError(f"{where}: {key!r} must be a string, not {type(row[key]).__name__} ({row[key]!r:.40}).")
+        return row["prompt"], row["response"]
     if "messages" in row:
         msgs = row["messages"]
         if not msgs or msgs[-1].get("role") != "assistant":
@@ -56,26 +137,37 @@ def prompt_ids(tokenizer, texts: list[str]) -> list[list[int]]:
     return [p if bos is None or p[:1] == [bos] else [bos] + p for p in ids]
 
 
-def encode(rows: list[dict], tokenizer, seq_length: int, source: str) -> dict[str, torch.Tensor]:
+def encode(rows: Rows, tokenizer, seq_length: int) -> dict[str, torch.Tensor]:
     """Tokenize rows into tokens/labels/loss_mask of shape (N, seq_length).
 
     Sequence: [bos] prompt response [eos], left-aligned, padded with pad. labels[t] = tokens[t+1];
     loss_mask marks positions whose label is a response token (or the final eos).
     """
-    n = len(rows)
+    pairs, good = [], []
+    for i, row in enumerate(rows):
+        try:
+            pairs.append(split_row(row, tokenizer, rows.where(i)))
+            good.append(i)
+        except DataError as e:
+            rows.bad(e)
+    prompts = prompt_ids(tokenizer, [p for p, _ in pairs])
+    responses = tokenizer([r for _, r in pairs], add_special_tokens=False)["input_ids"]
+    kept = []  # (prompt ids, the whole sequence) of each row that fits
+    for i, p, r in zip(good, prompts, responses):
+        ids = p + r + [tokenizer.eos_token_id]
+        if len(ids) > seq_length + 1:
+            rows.bad(DataError(f"{rows.where(i)}: {len(ids)} tokens exceed data.seq_length={seq_length} + 1; "
+                               f"raise data.seq_length or shorten the row."))
+        else:
+            kept.append((p, ids))
+    if not kept:
+        raise DataError(f"{rows.source}: no row is left after skipping bad ones.")
+    n = len(kept)
     tokens = torch.full((n, seq_length), tokenizer.pad_token_id, dtype=torch.long)
     labels = torch.full((n, seq_length), tokenizer.pad_token_id, dtype=torch.long)
     loss_mask = torch.zeros((n, seq_length), dtype=torch.float)
     prompt_lens = torch.zeros(n, dtype=torch.long)
-    pairs = [split_row(row, tokenizer, f"{source}:{i + 1}") for i, row in enumerate(rows)]
-    prompts = prompt_ids(tokenizer, [p for p, _ in pairs])
-    responses = tokenizer([r for _, r in pairs], add_special_tokens=False)["input_ids"]
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        where = f"{source}:{i + 1}"
-        ids = p + r + [tokenizer.eos_token_id]
-        if len(ids) > seq_length + 1:
-            raise DataError(f"{where}: {len(ids)} tokens exceed data.seq_length={seq_length} + 1; "
-                            f"raise data.seq_length or shorten the row.")
+    for i, (p, ids) in enumerate(kept):
         inp, tgt = ids[:-1], ids[1:]
         tokens[i, : len(inp)] = torch.tensor(inp)
         labels[i, : len(tgt)] = torch.tensor(tgt)

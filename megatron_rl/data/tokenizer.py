@@ -33,7 +33,16 @@ def load_tokenizer(path: str | Path, pad_token: str = ""):
                           "whose tokenizer is used) or data.tokenizer.")
     if not Path(path).is_dir():
         raise FileNotFoundError(f"tokenizer directory {str(path)!r} does not exist; set data.tokenizer to an HF tokenizer directory.")
-    tok = AutoTokenizer.from_pretrained(str(path))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{str(path)!r} is not a tokenizer transformers can load ({first.rstrip(': ')}); point "
+                          "data.tokenizer (or model.hf_path) at a directory with tokenizer.json or "
+                          "tokenizer_config.json.") from None
+    if tok.eos_token_id is None:
+        raise ConfigError(f"the tokenizer in {str(path)!r} has no end-of-sequence token (eos_token): samples could "
+                          "not end; set eos_token in its tokenizer_config.json.")
     if pad_token and pad_token != "eos" and pad_token not in tok.get_vocab():
         raise ConfigError(f"data.pad_token={pad_token!r} is not a token of {str(path)!r}; use 'eos' or one of its tokens.")
     if pad_token == "eos" or tok.pad_token_id is None:

@@ -26,6 +26,8 @@ def model_config_from_hf(path: str | Path) -> ModelConfig:
     from model_providers import family_for_hf, get_family
 
     config = Path(path) / "config.json"
+    if not Path(path).is_dir():
+        raise ConfigError(f"model.hf_path {str(path)!r} does not exist; point it at a Hugging Face model directory.")
     if not config.is_file():
         raise ConfigError(f"{str(path)!r} is not a Hugging Face model directory (no config.json).")
     hf = json.loads(config.read_text())

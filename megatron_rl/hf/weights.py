@@ -138,7 +138,8 @@ def _each_tensor(model_chunks: list, desc: str):
     from tqdm import tqdm
 
     items = [(chunk, name, t) for chunk in model_chunks for name, t in local_tensors(chunk).items()]
-    return tqdm(items, desc=desc, unit="tensor", disable=dist.get_rank() != 0, leave=False)
+    # disable=None: no bar when stderr is not a terminal (a log file would keep every redraw)
+    return tqdm(items, desc=desc, unit="tensor", disable=True if dist.get_rank() != 0 else None, leave=False)
 
 
 def load_hf_weights(model_chunks: list, model: ModelConfig, rules: list[Rule], checkpoint, skipped=None,

@@ -12,6 +12,7 @@ one sample gives that sample reward 0 and a counted warning; the run goes on.
 """
 
 import importlib
+import inspect
 import math
 import multiprocessing as mp
 from dataclasses import dataclass, field
@@ -48,6 +49,13 @@ def load_reward(spec: str):
         raise ConfigError(f"rewards.fn={spec!r} cannot be loaded ({e}); check the module path and function name.") from None
     if not callable(fn):
         raise ConfigError(f"rewards.fn={spec!r} is not callable.")
+    try:
+        inspect.signature(fn).bind(None, None, None)
+    except TypeError:
+        raise ConfigError(f"rewards.fn={spec!r} takes {inspect.signature(fn)}, but a reward function is called as "
+                          "fn(prompt, completion, metadata).") from None
+    except ValueError:  # no signature to read (a builtin): called as it is
+        pass
     return fn
 
 

@@ -134,14 +134,16 @@ def build_trainee(cfg: Config) -> Trainee:
 
 
 def write_run_assets(cfg: Config, run_dir, tokenizer):
-    """<run_dir>/hf_assets: the tokenizer (and the HF config when starting from HF), kept with every
-    checkpoint so that it exports to HF on its own."""
+    """<run_dir>/config.json, and <run_dir>/hf_assets: the tokenizer (and the HF config when starting
+    from HF), kept with every checkpoint so that it exports to HF on its own. Written once the data,
+    model and checkpoint have loaded, so that a run refused on bad input leaves its directory as it was."""
     import torch.distributed as dist
 
     from megatron_rl.hf import write_assets
 
     assets = run_dir / "hf_assets"
     if dist.get_rank() == 0:
+        (run_dir / "config.json").write_text(cfg.to_json())
         write_assets(cfg.model.hf_path or None, assets, tokenizer)
     dist.barrier()
     return assets
