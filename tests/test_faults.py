@@ -172,9 +172,9 @@ def _without_timings(rows: list[dict]) -> list[dict]:
     (["--recipe", "tiny_sft", *FAST, "train.max_steps=14"], 1),
     # DAPO: GRPO with dynamic sampling (a varying number of prompt batches per step), from random weights
     # (the overlong penalty gives groups unequal rewards, so steps update the model)
-    (["--recipe", "tiny_dapo", "checkpoint.load=", "train.max_steps=10", "algorithm.prompts_per_step=8",
+    (["--recipe", "tiny_dapo", "checkpoint.load=", "train.max_steps=10", "algorithm.prompts_per_step=8", "data.num_train=2000",
       "rollout.n=4", "data.micro_batch_size=16", "train.eval_every=0", "data.num_val=16", "logging.progress=false", "logging.tensorboard=false"], 1),
-    (["--recipe", "tiny_dapo", "checkpoint.load=", "train.max_steps=10", "algorithm.prompts_per_step=8",
+    (["--recipe", "tiny_dapo", "checkpoint.load=", "train.max_steps=10", "algorithm.prompts_per_step=8", "data.num_train=2000",
       "rollout.n=4", "data.micro_batch_size=16", "train.eval_every=0", "data.num_val=16", "logging.progress=false", "logging.tensorboard=false",
       "parallel.dp=2"], 2)], ids=["sft", "dapo", "dapo-dp2"])
 def test_kill_9_anywhere_then_resume_is_bitwise(recipe, nproc, tmp_path):
@@ -402,7 +402,7 @@ def test_a_failed_dead_or_frozen_rank_stops_every_rank(fault, tmp_path):
         assert "faulty_train.py\", line" in err  # the frozen rank's stacks
 
 
-GRPO_QUICK = ["checkpoint.load=", "algorithm.prompts_per_step=8", "rollout.n=4", "data.micro_batch_size=16",
+GRPO_QUICK = ["checkpoint.load=", "data.num_train=2000", "algorithm.prompts_per_step=8", "rollout.n=4", "data.micro_batch_size=16",
               "rewards.overlong_buffer=2", "train.eval_every=0", "data.num_val=16", "scheduler.decay_steps=100",
               "logging.progress=false", "logging.tensorboard=false"]
 # (from random weights: the overlong penalty gives groups unequal rewards, so steps update the model)

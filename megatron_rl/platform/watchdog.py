@@ -110,7 +110,7 @@ def _exit(message: str | None, stacks: bool = False):
 
 
 def _watch(store, rank: int, world_size: int, timeout: float, interval: float):
-    dead_after = max(3 * interval, 10.0)
+    dead_after = max(6 * interval, 30.0)  # generous: a long call holding the GIL also silences a watchdog
     seen = {}  # rank -> (alive count, when it last changed)
     alive = 0
     while True:

@@ -18,6 +18,7 @@ import multiprocessing as mp
 from dataclasses import dataclass, field
 
 from megatron_rl.config import ConfigError
+from megatron_rl.platform import watchdog
 
 from .builtin import exact_match, exact_match_parts, math_answer
 
@@ -115,6 +116,7 @@ class RewardRunner:
         while len(results) < len(samples):
             pending = [self._pool().apply_async(_score_one, (self.fn, *s)) for s in samples[len(results):]]
             for job in pending:
+                watchdog.beat("rewards")  # slow reward functions are progress too
                 i = len(results)
                 try:
                     results.append(job.get(timeout=self.timeout))
