@@ -37,17 +37,10 @@ def te_available() -> bool:
     return True
 
 
-def _squared_relu(x: torch.Tensor) -> torch.Tensor:
-    return torch.pow(F.relu(x), 2)
-
-
 def _activation(name: str):
     from megatron.core.activations import squared_relu
 
-    # megatron's squared_relu is torch.compile'd: on a CPU every new token count of a rollout step
-    # recompiles it (until dynamo gives up, with a warning). The same arithmetic, eager, there.
-    squared = squared_relu if torch.cuda.is_available() else _squared_relu
-    return {"swiglu": F.silu, "silu": F.silu, "gelu": F.gelu, "squared_relu": squared}[name]
+    return {"swiglu": F.silu, "silu": F.silu, "gelu": F.gelu, "squared_relu": squared_relu}[name]
 
 
 def _moe_kwargs(m: ModelConfig, p: ParallelConfig) -> dict:

@@ -74,6 +74,28 @@ def test_patch_is_needed_and_works(name):
     assert with_patch.returncode == 0, with_patch.stderr[-3000:]
 
 
+START_UP = """
+import multiprocessing, sys
+import megatron.core.models.gpt, megatron.core.inference.engines.dynamic_engine, megatron.core.timers
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+filesystem_async._get_write_results_queue()
+print(sorted(m for m in ('torch._dynamo', 'wandb') if m in sys.modules), [type(p).__name__ for p in multiprocessing.active_children()])
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="megatron's fusions stay compiled on a GPU")
+def test_start_up_imports_neither_dynamo_nor_wandb_nor_spawns():
+    """Three start-up costs of every process (about 5 s of a 12 s tiny run): torch.compile at import,
+    wandb imported for metrics we never send there, and a spawned process to collect checkpoint writes."""
+    def run(prelude):
+        return subprocess.run([sys.executable, "-c", prelude + START_UP], cwd=ROOT, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=120).stdout.strip()
+
+    assert run("") == "['torch._dynamo', 'wandb'] ['SpawnProcess']", "megatron changed: are these patches still needed?"
+    assert run("import megatron_rl.platform\n") == "[] ['ForkProcess']"
+    assert run("import megatron_rl.platform\nimport wandb\n") == "['wandb'] ['ForkProcess']"
+
+
 def test_launch_from_torchrun_env():
     env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "node7", "MASTER_PORT": "1234"}
     assert platform.read_launch(env) == platform.Launch(3, 8, 1, "node7", 1234, "torchrun")

@@ -341,6 +341,10 @@ def apply():
     # `.cuda()` on a tensor: megatron moves buffers with it; on CPU that is the identity.
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     torch.nn.Module.cuda = lambda self, *args, **kwargs: self
+    # megatron decorates its fusable helpers with torch.compile at import, which imports dynamo (about
+    # 2 s of every process's start-up); on a CPU a compiled helper would recompile for every new
+    # token count of a rollout. Its own switch makes them plain functions.
+    hooks.on_import("megatron.core.jit", lambda jit: jit.disable_jit_fuser())
     hooks.on_every_import(_patch_module)
     for name, fn in _SPECIALS.items():
         hooks.on_import(name, fn)

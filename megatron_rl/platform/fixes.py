@@ -254,12 +254,33 @@ def _mamba_stack_final_norm(module):
     module.TENorm = Norm
 
 
+def _results_queue_by_fork(module):
+    """dist_checkpointing's writer hands its results back through a queue served by a Manager process
+    it starts with 'spawn', which re-imports train.py, torch and megatron: about 2 s at every process's
+    first save. Our saves are synchronous (the queue is filled and emptied in this process, as
+    megatron's own forked writer processes are), so a forked Manager serves it, started in milliseconds."""
+    import multiprocessing
+
+    def results_queue():
+        if module._results_queue is None:
+            module._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+        return module._results_queue
+
+    module._get_write_results_queue = results_queue
+
+
 def apply():
     import importlib.util
 
     if importlib.util.find_spec("triton") is None:  # megatron's Mamba inference helpers import it at the top
         hooks.substitute("megatron.core.inference.contexts.attention_context.triton.tensor_ops",
                          "megatron_rl.platform.mamba_ops")
+    # These import wandb only for optional inference metrics and timers we never send there: 0.75 s
+    # of every process's start-up. Our own W&B logging imports it when it is switched on.
+    for name in ("megatron.core.timers", "megatron.core.inference.contexts.dynamic_context",
+                 "megatron.core.inference.engines.dynamic_engine"):
+        hooks.hide(name, "wandb")
+    hooks.on_import("megatron.core.dist_checkpointing.strategies.filesystem_async", _results_queue_by_fork)
     hooks.on_import("megatron.core.ssm.mamba_mixer", _mamba_without_kernels)
     hooks.on_import("megatron.core.ssm.mamba_mixer", _short_chunk_conv_state)
     hooks.on_import("megatron.core.ssm.mamba_block", _mamba_stack_final_norm)

@@ -3,6 +3,7 @@
 The platform's patches go through here, so they hold whatever imports megatron first.
 """
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import sys
@@ -21,6 +22,21 @@ def _run(module):
 
 
 _SUBSTITUTES: dict[str, str] = {}  # megatron module -> ours, imported in its place
+_HIDDEN: dict[str, tuple[str, ...]] = {}  # megatron module -> top-level modules it must not see
+
+
+@contextlib.contextmanager
+def _absent(names: tuple[str, ...]):
+    """Within the block, `import name` raises ImportError for each name not imported yet."""
+    hidden = [n for n in names if n not in sys.modules]
+    for n in hidden:
+        sys.modules[n] = None
+    try:
+        yield
+    finally:
+        for n in hidden:
+            if sys.modules.get(n, ...) is None:
+                del sys.modules[n]
 
 
 class _Alias(importlib.abc.Loader):
@@ -48,7 +64,8 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         exec_module = spec.loader.exec_module
 
         def exec_and_patch(module):
-            exec_module(module)
+            with _absent(_HIDDEN.get(name, ())):
+                exec_module(module)
             _run(module)
 
         spec.loader.exec_module = exec_and_patch
@@ -84,3 +101,10 @@ def substitute(name: str, ours: str):
     even be imported here, such as one importing Triton at the top)."""
     _install()
     _SUBSTITUTES[name] = ours
+
+
+def hide(name: str, *modules: str):
+    """While megatron module `name` executes, its optional imports of `modules` fail as if they
+    were not installed (unless something imported them already)."""
+    _install()
+    _HIDDEN[name] = (*_HIDDEN.get(name, ()), *modules)
