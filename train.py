@@ -93,6 +93,8 @@ def main(argv=None) -> int:
     from megatron_rl.platform import watchdog
     from megatron_rl.training.step import Diverged
 
+    STOPS = (Diverged, SaveFailed)  # every rank stops at the same step; the checkpoints stay
+    USER_ERRORS = (ConfigError, ValueError, FileNotFoundError)  # one sentence; a fresh run directory is removed
     platform.watch_preemption()  # SIGTERM, SIGUSR1: finish the step, save, exit 0
     platform.tie_process_lifetimes()  # nothing survives a kill -9 of this process or of torchrun
     watchdog.start(dist.distributed_c10d._get_default_store(), launch.rank, launch.world_size,
@@ -102,17 +104,17 @@ def main(argv=None) -> int:
         try:
             final = get_algorithm(cfg.algorithm.name).run(cfg, run_dir)
         except Exception as e:
-            if not isinstance(e, (Diverged, SaveFailed, ConfigError, ValueError, FileNotFoundError)):  # a crash
+            if not isinstance(e, STOPS + USER_ERRORS):  # a crash
                 if watchdog.peer_failed():  # it follows another rank's failure, which that rank printed
                     os._exit(1)
                 watchdog.abort(f"failed {launch.rank}: {type(e).__name__}")  # the others stop; this rank prints
             raise
-    except (Diverged, SaveFailed) as e:  # every rank stops at the same step; the checkpoints stay
+    except STOPS as e:
         if launch.rank == 0:
             print(f"error: {e}", file=sys.stderr)
         platform.shutdown()
         return 1
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except USER_ERRORS as e:
         if launch.rank == 0:
             print(f"error: {e}", file=sys.stderr)
             if fresh_dir:  # leave nothing half-written

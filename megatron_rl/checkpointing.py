@@ -63,15 +63,19 @@ def _sha256(file: Path) -> str:
     return digest.hexdigest()
 
 
-def damage(path: Path, verify: str = "size") -> str | None:
-    """What is wrong with a checkpoint's files against its marker (a missing or truncated file; with
-    verify='full' also changed contents), or None. Markers of older versions list no files."""
+def _marker(path: Path) -> dict:
+    """A checkpoint's completion marker ({} if unreadable, or of a version that recorded nothing)."""
     try:
         marker = json.loads((path / MARKER).read_text())
     except (OSError, ValueError):
-        return None
-    if not isinstance(marker, dict):
-        return None
+        return {}
+    return marker if isinstance(marker, dict) else {}
+
+
+def damage(path: Path, verify: str = "size") -> str | None:
+    """What is wrong with a checkpoint's files against its marker (a missing or truncated file; with
+    verify='full' also changed contents), or None. Markers of older versions list no files."""
+    marker = _marker(path)
     for name, size in marker.get("files", {}).items():
         file = path / name
         if not file.is_file():
@@ -188,13 +192,6 @@ class SaveFailed(RuntimeError):
     """A checkpoint could not be written (a full disk): the run stops, its previous checkpoint intact."""
 
 
-def _anywhere(flag: bool) -> bool:
-    """Whether `flag` holds on any rank."""
-    t = torch.tensor([float(flag)])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
 def _no_space(error: BaseException | None, where: Path) -> bool:
     """Whether a failed save ran out of space: ENOSPC or EDQUOT in the error's chain, or (torch's zip
     writer reports a short write only as "unexpected pos") under 64 MiB left on the device."""
@@ -214,8 +211,11 @@ def _write(path: Path, state: dict, assets: str | Path | None, verify: str = "si
     (tokenizer, HF config) into its hf/, then published as `path` once every rank is done. A full
     disk on any rank raises SaveFailed on every rank and leaves no trace."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
+    from megatron_rl import platform
     from megatron_rl.hf.files import copy_assets
+    from megatron_rl.platform import watchdog
 
     tmp = path.with_name(f".{path.name}.partial")
     if dist.get_rank() == 0:
@@ -223,25 +223,21 @@ def _write(path: Path, state: dict, assets: str | Path | None, verify: str = "si
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
-
-    from megatron_rl.platform import watchdog
-
     error = None
     try:
         with watchdog.patient("checkpoint save"):
             dist_checkpointing.save(state, str(tmp))
     except (Exception, CheckpointException) as e:  # decided below, on every rank together
         error = e
-    if not _anywhere(error is not None) and dist.get_rank() == 0:
+    if not platform.any_rank(error is not None) and dist.get_rank() == 0:
         try:
             if assets:
                 copy_assets(assets, tmp / ASSETS)
             _publish(tmp, path, state.get("step", 0), verify)
         except OSError as e:
             error = e
-    if _anywhere(error is not None):
-        no_space = _anywhere(error is not None and _no_space(error, path.parent))
+    if platform.any_rank(error is not None):
+        no_space = platform.any_rank(error is not None and _no_space(error, path.parent))
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         if not no_space:
@@ -254,17 +250,16 @@ def _write(path: Path, state: dict, assets: str | Path | None, verify: str = "si
 
 
 def _warn_if_short_of_space(run_dir: Path):
-    """Rank 0, before a save: a warning when the free space is below the size of the latest checkpoint."""
-    latest = latest_checkpoint(run_dir)
-    if latest is None:
+    """Rank 0, before a save: a warning when the free space is below the size of the newest checkpoint
+    (as its marker recorded it)."""
+    root = run_dir / "checkpoints"
+    published = sorted(root.glob("step_*")) if root.is_dir() else []
+    if not published:
         return
-    try:
-        size = sum(json.loads((latest / MARKER).read_text())["files"].values())
-    except (OSError, ValueError, KeyError, TypeError):
-        return
-    free = shutil.disk_usage(latest.parent).free
+    size = sum(v for v in _marker(published[-1]).get("files", {}).values() if isinstance(v, int))
+    free = shutil.disk_usage(root).free
     if free < size:
-        print(f"warning: {free / 2**20:.1f} MiB free in {latest.parent}, less than the last checkpoint's "
+        print(f"warning: {free / 2**20:.1f} MiB free in {root}, less than the last checkpoint's "
               f"{size / 2**20:.1f} MiB: the next save may fail", file=sys.stderr, flush=True)
 
 

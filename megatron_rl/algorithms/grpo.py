@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_rl import losses
+from megatron_rl import losses, platform
 from megatron_rl.config import Config, ConfigError
 from megatron_rl.data import rl as rl_data
 from megatron_rl.data.sft import Batches, read_jsonl, report_skipped
@@ -180,9 +180,7 @@ def everywhere(flag: bool) -> bool:
     """Whether `flag` holds on every data-parallel rank."""
     from megatron.core import parallel_state as ps
 
-    t = torch.tensor([float(flag)])
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ps.get_data_parallel_group())
-    return bool(t.item())
+    return not platform.any_rank(not flag, ps.get_data_parallel_group())
 
 
 def reward_model_stats(scores: torch.Tensor) -> dict:

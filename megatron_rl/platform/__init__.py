@@ -260,9 +260,14 @@ def preemption_requested() -> bool:
 
     for name in PREEMPTION_SIGNALS:  # megatron's inference module chains a stack dump to SIGTERM: not ours
         faulthandler.unregister(getattr(signal, name))
-    flag = torch.tensor([float(bool(_preempted))], device=device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    return any_rank(_preempted)
+
+
+def any_rank(flag: bool, group=None) -> bool:
+    """Whether `flag` holds on any rank of `group` (default: all): a collective every rank calls."""
+    t = torch.tensor([float(bool(flag))])  # a CPU tensor: gloo carries it, with no device sync
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
 
 
 def init_model_parallel(tp=1, pp=1, vpp=None, cp=1, ep=1, etp=None, seed=1234):
