@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo demo-moe demo-preference test install test-fast clean slurm
+.PHONY: demo demo-moe demo-preference demo-distill test install test-fast clean slurm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,11 @@ demo-preference: install
 	$(BIN)/python train.py --recipe tiny_dpo
 	$(BIN)/python train.py --recipe tiny_rm
 	$(BIN)/python train.py --recipe tiny_grpo_rm
+
+# On-policy distillation from the same start: a teacher trained further on clean answers, then distilled.
+demo-distill: install
+	$(BIN)/python train.py --recipe tiny_teacher
+	$(BIN)/python train.py --recipe tiny_distill
 
 # A local Slurm for tests/test_slurm.py: Debian's slurm-wlm and munge, installed as root where
 # apt-get exists (elsewhere that test skips and says why).

@@ -219,3 +219,34 @@ def bradley_terry_loss(score_chosen: torch.Tensor, score_rejected: torch.Tensor,
     if center_coefficient:
         loss = loss + center_coefficient * (score_chosen + score_rejected) ** 2
     return loss
+
+
+OUTSIDE_TOPK_LOGPROB = -100.0
+"""The teacher's log-probability assumed outside its top-k set in the reverse KL of a student that is not
+renormalized (NeMo RL's convention): the student's mass there is penalized, not ignored."""
+
+
+def distill_kl(student_logp: torch.Tensor, teacher_logp: torch.Tensor, kind: str = "forward",
+               forward_weight: float = 0.5, student_neg_entropy: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token KL between teacher and student on the teacher's top-k set S, (B, S) from (B, S, k).
+
+    teacher_logp: the teacher's log-probs renormalized over S (q). student_logp: the student's log-probs
+    at S (p), of the full vocabulary, or renormalized over S too (then leave student_neg_entropy None).
+      forward  = sum_S q (log q - log p)
+      reverse  = sum_S p (log p - log q) [+ sum_{not S} p (log p - OUTSIDE_TOPK_LOGPROB), given
+                 student_neg_entropy = sum over the whole vocabulary of p log p]
+      mixed    = forward_weight x forward + (1 - forward_weight) x reverse
+    Temperature 1: the loss does not depend on how the student sampled."""
+    forward = (teacher_logp.exp() * (teacher_logp - student_logp)).sum(dim=-1)
+    if kind == "forward":
+        return forward
+    p = student_logp.exp()
+    reverse = (p * (student_logp - teacher_logp)).sum(dim=-1)
+    if student_neg_entropy is not None:
+        outside_plogp = student_neg_entropy - (p * student_logp).sum(dim=-1)
+        reverse = reverse + outside_plogp - OUTSIDE_TOPK_LOGPROB * (1 - p.sum(dim=-1))
+    if kind == "reverse":
+        return reverse
+    if kind == "mixed":
+        return forward_weight * forward + (1 - forward_weight) * reverse
+    raise ValueError(f"unknown distillation KL {kind!r}; known: forward, reverse, mixed")

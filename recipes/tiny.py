@@ -1,7 +1,7 @@
 """Tiny models on the built-in arithmetic task: fast on a 2-core CPU, used by the demo and tests."""
 
-from megatron_rl.config import (AlgorithmConfig, CheckpointConfig, Config, DataConfig, ModelConfig, OptimizerConfig,
-                                RolloutConfig, SchedulerConfig, TrainConfig)
+from megatron_rl.config import (AlgorithmConfig, CheckpointConfig, Config, DataConfig, DistillConfig, ModelConfig,
+                                OptimizerConfig, RolloutConfig, SchedulerConfig, TrainConfig)
 
 from . import register
 
@@ -193,6 +193,33 @@ def tiny_grpo_rm() -> Config:
     match in training; validation still measures exact match (rewards.val_fn)."""
     cfg = tiny_grpo()
     cfg.rewards.fn, cfg.rewards.model, cfg.rewards.val_fn = "reward_model", "runs/tiny_rm", "exact_match"
+    return cfg
+
+
+@register
+def tiny_teacher() -> Config:
+    """tiny_sft's model trained further on clean demonstrations (no wrong answers): the teacher of
+    tiny_distill (run tiny_sft first)."""
+    cfg = tiny_sft()
+    cfg.data.noise = 0.0
+    cfg.optimizer.lr, cfg.optimizer.min_lr = 1e-3, 1e-4
+    cfg.scheduler.warmup_steps = 0
+    cfg.train.max_steps, cfg.train.eval_every = 300, 100
+    cfg.checkpoint.load = "runs/tiny_sft"
+    return cfg
+
+
+@register
+def tiny_distill() -> Config:
+    """On-policy distillation of tiny_teacher into tiny_sft's model (run both first): the student samples
+    4 answers to each of 32 prompts per step and learns the teacher's next-token distribution on them
+    (forward KL on the teacher's top 8 of its 15 tokens)."""
+    cfg = tiny_grpo()
+    cfg.algorithm = AlgorithmConfig(name="distill", prompts_per_step=32)
+    cfg.rollout.n = 4
+    cfg.distill = DistillConfig(teacher="runs/tiny_teacher", topk=8)
+    cfg.optimizer.lr, cfg.optimizer.min_lr = 1e-3, 1e-4
+    cfg.train.max_steps = 100
     return cfg
 
 

@@ -127,6 +127,10 @@ def _grpo(f, data, *extra):
             f"data.tokenizer={f['tok']}", *extra]
 
 
+def _distill(f):
+    return ["--recipe", "tiny_distill", *QUIET, f"checkpoint.load={f['ckpt']}", f"distill.teacher={f['ckpt']}"]
+
+
 def _hf(f, name):
     return ["--recipe", "tiny_sft", *QUIET, f"model.hf_path={f[name]}", "data.task=", f"data.train_path={f['good']}"]
 
@@ -193,6 +197,12 @@ CASES = {
     # layouts
     "TP larger than the world": (lambda f: ["--recipe", "tiny_sft", "parallel.tp=2"], "world size"),
     "EP not dividing the experts": (lambda f: ["--recipe", "tiny_moe_sft", "parallel.ep=3"], "parallel.ep"),
+    # distillation
+    "distill without a teacher": (lambda f: [*_distill(f), "distill.teacher="], "needs a teacher"),
+    "distill top-k below 1": (lambda f: [*_distill(f), "distill.topk=0"], "distill.topk=0 must be at least 1"),
+    "distill top-k above the vocabulary": (lambda f: [*_distill(f), "distill.topk=99"], "exceeds the vocabulary"),
+    "teacher missing": (lambda f: [*_distill(f), f"distill.teacher={f['dir']}/nope"], "does not exist"),
+    "teacher of another tokenizer": (lambda f: [*_distill(f), f"distill.teacher={f['hf']}"], "another tokenizer"),
     # reward functions
     "reward not module:function": (lambda f: _grpo(f, "good", "rewards.fn=closeness"), "module:function"),
     "reward import error": (lambda f: _grpo(f, "good", "rewards.fn=badreward:score"), "cannot be loaded"),

@@ -24,8 +24,7 @@ import torch.distributed as dist
 from megatron_rl import losses, platform
 from megatron_rl.config import Config, ConfigError
 from megatron_rl.data import rl as rl_data
-from megatron_rl.data.sft import Batches, read_jsonl, report_skipped
-from megatron_rl.data.tasks import data_files
+from megatron_rl.data.sft import Batches
 from megatron_rl.rewards import build_scorer
 from megatron_rl.rollout.engine import Rollout, RolloutEngine
 from megatron_rl.rollout.evaluate import decode, greedy_eval
@@ -215,14 +214,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
     from megatron.core import parallel_state as ps
 
     a, r = cfg.algorithm, cfg.rollout
-    tokenizer, train_path, val_path = data_files(cfg, run_dir)
-    if cfg.model.vocab_size == 0:
-        cfg.model.vocab_size = len(tokenizer)
-    seq, skip = cfg.data.seq_length, cfg.data.on_bad_row
-    train_rows, val_rows = read_jsonl(train_path, skip), read_jsonl(val_path, skip) if val_path else None
-    train_prompts, train_meta = rl_data.encode_prompts(train_rows, tokenizer, seq)
-    val_prompts, val_meta = rl_data.encode_prompts(val_rows, tokenizer, seq) if val_rows else ([], [])
-    report_skipped(train_rows, val_rows)
+    tokenizer, (train_prompts, train_meta), (val_prompts, val_meta) = rl_data.prompt_splits(cfg, run_dir)
     trainee = build_trainee(cfg)
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     stream = Batches({"index": torch.arange(len(train_prompts))}, a.prompts_per_step, cfg.data.seed, dp_rank, dp)

@@ -8,6 +8,7 @@ rewrites a value.
 from .algorithm import AlgorithmConfig
 from .base import ConfigError
 from .data import DataConfig
+from .distill import DistillConfig
 from .model import ModelConfig
 from .optimizer import OptimizerConfig, SchedulerConfig
 from .overrides import MOVED, all_keys, apply_overrides, from_dict
@@ -17,6 +18,6 @@ from .run import CheckpointConfig, LoggingConfig, ProfilingConfig
 from .train import FP8Config, TrainConfig
 from .tree import Config
 
-__all__ = ["AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "FP8Config", "LoggingConfig",
+__all__ = ["AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistillConfig", "FP8Config", "LoggingConfig",
            "MOVED", "ModelConfig", "OptimizerConfig", "ParallelConfig", "ProfilingConfig", "RewardsConfig",
            "RolloutConfig", "SchedulerConfig", "TrainConfig", "all_keys", "apply_overrides", "from_dict"]

@@ -9,12 +9,16 @@ from dataclasses import dataclass, field
 from .algorithm import AlgorithmConfig
 from .base import ConfigError, positive
 from .data import DataConfig
+from .distill import DistillConfig
 from .model import ModelConfig
 from .optimizer import OptimizerConfig, SchedulerConfig
 from .parallel import ParallelConfig
 from .rollout import RewardsConfig, RolloutConfig
 from .run import CheckpointConfig, LoggingConfig, ProfilingConfig
 from .train import FP8Config, TrainConfig
+
+
+ON_POLICY = ("grpo", "distill")  # loops that roll out algorithm.prompts_per_step x rollout.n samples per step
 
 
 @dataclass(kw_only=True)
@@ -28,6 +32,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     fp8: FP8Config = field(default_factory=FP8Config)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -39,7 +44,7 @@ class Config:
         self.model.validate()
         self.parallel.validate(world_size, self.model)
         self.optimizer.validate(self.train.precision)
-        self.data.validate(self.parallel.data_parallel_size(world_size), uses_global_batch=self.algorithm.name != "grpo")
+        self.data.validate(self.parallel.data_parallel_size(world_size), uses_global_batch=self.algorithm.name not in ON_POLICY)
         self._validate_heads_and_rewards()
         self.fp8.validate()
         p = self.parallel
@@ -49,7 +54,9 @@ class Config:
                 f"data.seq_length={self.data.seq_length} must be divisible by {split}: 2 chunks per context-parallel "
                 f"rank times tp with sequence parallelism; change data.seq_length or parallel.cp/tp.")
         self._validate_packing()
-        if self.algorithm.name == "grpo":
+        if self.algorithm.name == "distill":
+            self.distill.validate()
+        if self.algorithm.name in ON_POLICY:
             self._validate_grpo(self.parallel.data_parallel_size(world_size))
         if self.algorithm.name == "dpo":
             self._validate_dpo()

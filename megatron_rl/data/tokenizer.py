@@ -50,3 +50,17 @@ def load_tokenizer(path: str | Path, pad_token: str = ""):
     elif pad_token:
         tok.pad_token = pad_token
     return tok
+
+
+def tokenizer_difference(a, b) -> str | None:
+    """How tokenizer b turns text into ids differently from a (its token-to-id map, its length, its
+    special tokens), in words, or None when they agree."""
+    if len(a) != len(b):
+        return f"{len(b)} tokens against {len(a)}"
+    va, vb = a.get_vocab(), b.get_vocab()
+    if va != vb:
+        token = next(t for t in sorted(set(va) | set(vb)) if va.get(t) != vb.get(t))
+        return f"token {token!r} has id {vb.get(token)} against {va.get(token)}"
+    if a.all_special_ids != b.all_special_ids:
+        return f"special tokens {b.all_special_tokens} against {a.all_special_tokens}"
+    return None

@@ -8,7 +8,6 @@ on it, [bos] prompt completion [eos] in its own tokenizer: the policy's token id
 tokenizers are the same, else the text re-tokenized.
 """
 
-import dataclasses
 from pathlib import Path
 
 import torch
@@ -20,8 +19,9 @@ from . import Scores
 
 def same_tokenizer(a, b) -> bool:
     """Whether two tokenizers turn text into the same ids and share their special tokens and chat template."""
-    return (a.get_vocab() == b.get_vocab() and len(a) == len(b) and a.all_special_ids == b.all_special_ids
-            and getattr(a, "chat_template", None) == getattr(b, "chat_template", None))
+    from megatron_rl.data.tokenizer import tokenizer_difference
+
+    return tokenizer_difference(a, b) is None and getattr(a, "chat_template", None) == getattr(b, "chat_template", None)
 
 
 def split_multiple(cfg: Config) -> int:
@@ -33,35 +33,20 @@ def split_multiple(cfg: Config) -> int:
 
 class RewardModel:
     def __init__(self, cfg: Config, path: str, policy_tokenizer):
-        import torch.distributed as dist
-
-        from megatron_rl import checkpointing
         from megatron_rl.data.tokenizer import load_tokenizer
-        from megatron_rl.hf import import_hf, model_config_from_hf
-        from megatron_rl.training.setup import build_model
+        from megatron_rl.training.frozen import load_frozen
 
-        path = Path(path)
-        if not path.exists():
+        if not Path(path).exists():
             raise ConfigError(f"rewards.model={str(path)!r} does not exist; give a reward model's checkpoint or run "
                               f"directory, or a Hugging Face *ForSequenceClassification directory.")
-        is_hf = not checkpointing.is_ours(path)
-        if is_hf:
-            model, tokenizer_dir = model_config_from_hf(path), path
-        else:
-            path = checkpointing.resolve(path)
-            model, tokenizer_dir = checkpointing.read_model_config(path), path / checkpointing.ASSETS
-        if model.head != "score":
-            raise ConfigError(f"rewards.model={str(path)!r} is a language model, not a reward model; train one with "
-                              f"algorithm.name=rm or give a Hugging Face *ForSequenceClassification directory.")
-        rm_cfg = dataclasses.replace(cfg, model=model)
-        rm_cfg.parallel.validate(dist.get_world_size(), model)
-        self.chunks, _ = build_model(rm_cfg, wrap_ddp=False)
-        if is_hf:
-            import_hf(self.chunks, model, path)
-        else:
-            checkpointing.load_weights(self.chunks, path, head="score")
-        for chunk in self.chunks:
-            chunk.eval()
+
+        def check(model, path, _):
+            if model.head != "score":
+                raise ConfigError(f"rewards.model={str(path)!r} is a language model, not a reward model; train one "
+                                  f"with algorithm.name=rm or give a Hugging Face *ForSequenceClassification directory.")
+
+        frozen = load_frozen(cfg, path, head="score", check=check)
+        self.chunks, tokenizer_dir = frozen.chunks, frozen.tokenizer_dir
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.same = same_tokenizer(self.tokenizer, policy_tokenizer)
         self.micro_batch_size, self.multiple = cfg.data.micro_batch_size, split_multiple(cfg)

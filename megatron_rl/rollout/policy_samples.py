@@ -1,8 +1,6 @@
 """Samples of the starting policy, for data: the wrong answers a language model actually gives
 (data.negatives' 'policy' kind), so that a reward model or DPO learns from on-policy mistakes."""
 
-import dataclasses
-
 import torch.distributed as dist
 
 from megatron_rl.config import Config, ConfigError
@@ -16,29 +14,21 @@ def wrong_answer_sampler(cfg: Config, tokenizer, samples_per_prompt: int = 4):
     The model is built per call and freed after."""
 
     def sample(prompts: list[str], answers: list[str]) -> list[str | None]:
-        from pathlib import Path
-
         from megatron.core import parallel_state as ps
 
-        from megatron_rl import checkpointing
         from megatron_rl.data.sft import prompt_ids
-        from megatron_rl.hf import import_hf, model_config_from_hf
         from megatron_rl.rollout.engine import RolloutEngine
         from megatron_rl.rollout.evaluate import decode
-        from megatron_rl.training.setup import build_model, compute_dtype
+        from megatron_rl.training.frozen import load_frozen
+        from megatron_rl.training.setup import compute_dtype
 
-        source = Path(cfg.data.negatives_from or cfg.checkpoint.load or cfg.model.hf_path)
-        is_hf = not checkpointing.is_ours(source)
-        source = source if is_hf else checkpointing.resolve(source)
-        model = model_config_from_hf(source) if is_hf else checkpointing.read_model_config(source)
-        if model.head != "lm":
-            raise ConfigError(f"{str(source)!r} is a reward model; the 'policy' negatives are sampled from a language "
-                              f"model: set data.negatives_from to one.")
-        chunks, _ = build_model(dataclasses.replace(cfg, model=model), wrap_ddp=False)
-        if is_hf:
-            import_hf(chunks, model, source)
-        else:
-            checkpointing.load_weights(chunks, source, model.head)
+        def check(model, path, _):
+            if model.head != "lm":
+                raise ConfigError(f"{str(path)!r} is a reward model; the 'policy' negatives are sampled from a "
+                                  f"language model: set data.negatives_from to one.")
+
+        frozen = load_frozen(cfg, cfg.data.negatives_from or cfg.checkpoint.load or cfg.model.hf_path, check=check)
+        chunks, model = frozen.chunks, frozen.model
         engine = RolloutEngine(chunks, model, tokenizer, cfg.rollout, compute_dtype(cfg))
         rank, size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         mine = prompts[rank::size]

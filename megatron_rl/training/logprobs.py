@@ -66,3 +66,62 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(z, group=group)
         dist.all_reduce(weighted, group=group)
     return z.log() - weighted / z  # H = log Z - E[shifted logit]
+
+
+def logprobs_at(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From vocab-parallel logits (B, S, V/tp), differentiably and in fp32: the log-probs of the full
+    vocabulary at `ids` (B, S, k), and sum_v p_v log p_v (B, S). Padding entries must be -inf."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as tp_sum
+
+    logits = logits.float()
+    tp, shard = ps.get_tensor_model_parallel_world_size(), logits.shape[-1]
+    top = logits.detach().max(dim=-1).values
+    if tp > 1:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    shifted = logits - top[..., None]
+    e = shifted.exp()
+    z = tp_sum(e.sum(dim=-1))
+    local = ids - ps.get_tensor_model_parallel_rank() * shard
+    mine = (local >= 0) & (local < shard)
+    picked = tp_sum(torch.where(mine, shifted.gather(-1, local.clamp(0, shard - 1)), 0.0))
+    neg_entropy = tp_sum((e * shifted.masked_fill(e == 0, 0.0)).sum(dim=-1)) / z - z.log()
+    return picked - z.log()[..., None], neg_entropy
+
+
+def _by_value_then_id(values: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest values, ties to the lowest id, in that order."""
+    by_id = ids.argsort(dim=-1)
+    values, ids = values.gather(-1, by_id), ids.gather(-1, by_id)
+    best = values.argsort(dim=-1, descending=True, stable=True)[..., :k]
+    return values.gather(-1, best), ids.gather(-1, best)
+
+
+@torch.no_grad()
+def vocab_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of vocab-parallel logits (B, S, V/tp) over the whole vocabulary, ties going to the
+    lowest id: (values fp32, ids), each (B, S, k) and the same on every TP rank. Each rank takes its
+    shard's k largest, the ranks gather them, and the global k largest are taken from those."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    logits = logits.float()
+    tp, shard = ps.get_tensor_model_parallel_world_size(), logits.shape[-1]
+    values, ids = logits.topk(min(k, shard), dim=-1)
+    # torch.topk does not say which of equal values it keeps: where it left out one equal to its last,
+    # that position's row is sorted instead (stably: the lower id first)
+    last = values[..., -1:]
+    left_out = (logits == last).sum(dim=-1) > (values == last).sum(dim=-1)
+    if left_out.any():
+        rows = left_out.nonzero(as_tuple=True)
+        ordered = logits[rows].sort(dim=-1, descending=True, stable=True)
+        values[rows], ids[rows] = ordered.values[..., : values.shape[-1]], ordered.indices[..., : values.shape[-1]]
+    ids = ids + ps.get_tensor_model_parallel_rank() * shard
+    if tp > 1:
+        group = ps.get_tensor_model_parallel_group()
+        all_values, all_ids = [torch.empty_like(values) for _ in range(tp)], [torch.empty_like(ids) for _ in range(tp)]
+        dist.all_gather(all_values, values.contiguous(), group=group)
+        dist.all_gather(all_ids, ids.contiguous(), group=group)
+        values, ids = torch.cat(all_values, dim=-1), torch.cat(all_ids, dim=-1)
+    return _by_value_then_id(values, ids, k)

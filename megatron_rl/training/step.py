@@ -61,12 +61,14 @@ def _cp_share_packed(batch: dict, cp: int, rank: int) -> dict:
 
 
 def put_tokens(out: torch.Tensor, mb: dict, values: torch.Tensor) -> None:
-    """Write a microbatch's per-token values (b, W) into the batch-wide (N, S) `out` (on the CPU) at
-    its rows (mb["index"]) and the positions this rank computed; 0 where another context-parallel
-    rank holds the token (packed microbatches), so that cp_sum(out) adds up each token once."""
+    """Write a microbatch's per-token values (b, W, ...) into the batch-wide (N, S, ...) `out` (on the
+    CPU, in its dtype) at its rows (mb["index"]) and the positions this rank computed; 0 where another
+    context-parallel rank holds the token (packed microbatches), so that cp_sum(out) adds up each
+    token once."""
     if "held" in mb:
-        values = values * mb["held"]
-    out[mb["index"][:, None].cpu(), mb["positions"][None, :].cpu()] = values.float().cpu()
+        held = mb["held"].bool().reshape(*mb["held"].shape, *[1] * (values.dim() - 2))
+        values = values.masked_fill(~held, 0)
+    out[mb["index"][:, None].cpu(), mb["positions"][None, :].cpu()] = values.to(out.dtype).cpu()
 
 
 def cp_sum(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,34 @@
+"""The distill section: on-policy distillation from a frozen teacher (algorithm.name=distill)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .base import ConfigError
+
+
+@dataclass(kw_only=True)
+class DistillConfig:
+    teacher: str = ""
+    """The teacher: our checkpoint or run directory, or a Hugging Face directory of a supported family (any
+    size); it must share the student's tokenizer."""
+    topk: int = 64
+    """The teacher's top-k tokens per position on which the loss is computed (at most the vocabulary)."""
+    kl_type: Literal["forward", "reverse", "mixed"] = "forward"
+    """forward: KL(teacher || student), mean-seeking; reverse: KL(student || teacher), mode-seeking; mixed:
+    mixed_kl_weight x forward + (1 - mixed_kl_weight) x reverse."""
+    mixed_kl_weight: float = 0.5
+    """The forward KL's weight in kl_type=mixed."""
+    renormalize_student: bool = False
+    """Renormalize the student over the teacher's top-k as well (NeMo RL's default): blind to the student's
+    mass outside the top-k. Off: the student's full-vocabulary log-probs, gathered at the top-k."""
+
+    def validate(self):
+        if not self.teacher:
+            raise ConfigError("algorithm.name=distill needs a teacher: set distill.teacher to our checkpoint or run "
+                              "directory, or a Hugging Face directory.")
+        if self.topk < 1:
+            raise ConfigError(f"distill.topk={self.topk} must be at least 1 (64 is usual).")
+        if not 0 <= self.mixed_kl_weight <= 1:
+            raise ConfigError(f"distill.mixed_kl_weight={self.mixed_kl_weight} must be in [0, 1].")
