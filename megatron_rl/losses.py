@@ -7,13 +7,35 @@ import torch
 import torch.nn.functional as F
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _moments(x: torch.Tensor, mask: torch.Tensor | None = None, reduce=_local) -> tuple[torch.Tensor, ...]:
+    """Mean, population variance and count of x (where mask) over the whole batch: reduce sums the
+    vector [sum, sum of squares, count] over the ranks holding the rest of it."""
+    x = x.double()
+    m = torch.ones_like(x) if mask is None else mask.double()
+    s = reduce(torch.stack([(x * m).sum(), (x * x * m).sum(), m.sum()]))
+    mean = s[0] / s[2]
+    return mean, (s[1] / s[2] - mean**2).clamp(min=0), s[2]
+
+
+def _batch_std(x: torch.Tensor, reduce=_local) -> torch.Tensor:
+    """The unbiased standard deviation of x over the whole batch (as torch.std over all of it)."""
+    _, var, n = _moments(x, reduce=reduce)
+    return (var * n / (n - 1)).sqrt()
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, baseline: str = "mean", std: str = "group",
-                     eps: float = 1e-6) -> torch.Tensor:
+                     eps: float = 1e-6, reduce=_local) -> torch.Tensor:
     """GRPO advantages: each sample's reward minus its group's baseline, optionally scaled.
 
     rewards: (N,), groups are consecutive runs of `group_size` samples (one prompt each).
     baseline: 'mean' (group mean) or 'loo' (mean of the other samples of the group).
-    std: 'group' (divide by the group's std), 'batch' (by the whole batch's std) or 'none'.
+    std: 'group' (divide by the group's std), 'batch' (by the whole batch's std: reduce sums moments
+    over the data-parallel ranks) or 'none'.
+    RLOO is baseline='loo', std='none': A_i = r_i - mean_{j != i} r_j = n/(n-1) (r_i - mean_j r_j).
     """
     r = rewards.reshape(-1, group_size).double()  # (groups, G)
     match baseline:
@@ -29,12 +51,27 @@ def group_advantages(rewards: torch.Tensor, group_size: int, baseline: str = "me
         case "group":
             adv = adv / (r.std(dim=1, keepdim=True) + eps)
         case "batch":
-            adv = adv / (r.std() + eps)
+            adv = adv / (_batch_std(r, reduce) + eps)
         case "none":
             pass
         case _:
             raise ValueError(f"unknown std normalization {std!r}; use 'group', 'batch' or 'none'")
     return adv.reshape(-1).to(rewards.dtype)
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor, group_size: int, mask: torch.Tensor,
+                            kl: torch.Tensor | None = None, kl_coef: float = 0.0, reduce=_local) -> torch.Tensor:
+    """REINFORCE++ with a baseline (NeMo RL's reinforce_plus_plus with minus_baseline), per token (N, T):
+    each sample's reward minus its group's mean, on every token of its response; minus kl_coef x the
+    token's KL estimate to the reference (per token, not accumulated over the sequence); then whitened
+    over the valid tokens of the whole batch (reduce sums moments over the data-parallel ranks):
+    (a - mean) / sqrt(max(var, 1e-8)). Tokens outside the mask get 0."""
+    r = rewards.reshape(-1, group_size).double()
+    adv = (r - r.mean(dim=1, keepdim=True)).reshape(-1, 1).expand(mask.shape).clone()
+    if kl is not None:
+        adv = adv - kl_coef * kl.double()
+    mean, var, _ = _moments(adv, mask, reduce)
+    return ((adv - mean) * var.clamp(min=1e-8).rsqrt() * mask).to(rewards.dtype)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -165,14 +202,16 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, penalty: 
 
 
 def gdpo_advantages(components: torch.Tensor, weights: torch.Tensor, group_size: int,
-                    eps: float = 1e-6) -> torch.Tensor:
+                    eps: float = 1e-6, reduce=_local) -> torch.Tensor:
     """GDPO: each reward component (N, K) normalized within its group (mean 0, std 1), then the
-    weighted sum over components, then normalized over the whole batch."""
+    weighted sum over components, then normalized over the whole batch (reduce sums moments over the
+    data-parallel ranks)."""
     k = components.shape[1]
     c = components.double().reshape(-1, group_size, k)  # (groups, G, K)
     normed = (c - c.mean(dim=1, keepdim=True)) / (c.std(dim=1, keepdim=True) + eps)
     total = (normed * weights.double()).sum(dim=-1).reshape(-1)  # (N,)
-    return ((total - total.mean()) / (total.std() + eps)).to(components.dtype)
+    mean = _moments(total, reduce=reduce)[0]
+    return ((total - mean) / (_batch_std(total, reduce) + eps)).to(components.dtype)
 
 
 def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

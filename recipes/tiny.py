@@ -99,6 +99,19 @@ def tiny_gdpo() -> Config:
 
 
 @register
+def tiny_rloo() -> Config:
+    """RLOO on the tiny task: the leave-one-out baseline without std scaling."""
+    return _tiny_variant(advantage_estimator="rloo")
+
+
+@register
+def tiny_reinforce_pp() -> Config:
+    """REINFORCE++ with a baseline on the tiny task: the KL to tiny_sft's policy folded into each token's
+    reward, advantages whitened over the global batch's tokens."""
+    return _tiny_variant(advantage_estimator="reinforce_pp", kl_coef=0.01)
+
+
+@register
 def tiny_grpo_is() -> Config:
     """GRPO with rollout/train mismatch correction: truncated per-token importance weights."""
     return _tiny_variant(mismatch_correction="token_truncate", mismatch_threshold=2.0)

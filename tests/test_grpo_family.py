@@ -17,6 +17,8 @@ VARIANTS = {  # recipe -> a metric only that variant logs (None: none)
     "tiny_cispo": None,
     "tiny_gdpo": None,
     "tiny_grpo_is": "train/mismatch_masked_frac",
+    "tiny_rloo": None,
+    "tiny_reinforce_pp": None,
 }
 
 
@@ -42,6 +44,11 @@ def test_variant_recipe_learns(recipe, sft_run, tmp_path):
     (["algorithm.ratio_level=sequence", "algorithm.loss_aggregation=sequence",
       "algorithm.mismatch_correction=token_mask"], "needs a sequence-level mismatch correction"),
     (["algorithm.advantage_estimator=gdpo", "algorithm.baseline=loo"], "set algorithm.baseline=mean"),
+    (["algorithm.advantage_estimator=rloo", "algorithm.std_normalization=batch"], "use advantage_estimator=grpo"),
+    (["algorithm.advantage_estimator=rloo", "rollout.n=1", "algorithm.prompts_per_step=64"], "set rollout.n >= 2"),
+    (["algorithm.advantage_estimator=reinforce_pp", "algorithm.baseline=loo"], "leave algorithm.baseline=mean"),
+    (["algorithm.advantage_estimator=reinforce_pp", "algorithm.ratio_level=sequence",
+      "algorithm.loss_aggregation=sequence"], "gives each token its own advantage"),
     (["rewards.overlong_buffer=5"], "rewards.overlong_buffer=5 must be in [0, rollout.max_new_tokens=5)"),
     (["rewards.weights=correct"], "write name:number pairs"),
 ])
@@ -61,7 +68,7 @@ def test_sequence_ratios_refuse_context_parallel():
         cfg.validate(world_size=2)
 
 
-def test_gdpo_needs_named_components():
+def test_gdpo_needs_named_components(one_process):
     from megatron_rl.algorithms.grpo import Scored, advantages_of
     from megatron_rl.rollout.engine import Rollout
 

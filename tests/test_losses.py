@@ -222,3 +222,53 @@ def test_bradley_terry_with_margin_and_centering():
     assert rr.grad.tolist() == pytest.approx([_sig(-0.5) + 0.02 * 1.0, _sig(1.0) + 0.0])
     plain = losses.bradley_terry_loss(rc.detach(), rr.detach())
     assert plain.tolist() == pytest.approx([-math.log(_sig(1.0)), -math.log(_sig(-1.0))])
+
+
+def test_rloo_is_the_leave_one_out_baseline_without_scaling():
+    """RLOO: A_i = r_i - mean_{j != i} r_j = n/(n-1) (r_i - group mean)."""
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 1.0])
+    adv = losses.group_advantages(r, 3, "loo", "none")
+    assert adv.tolist() == pytest.approx([1.0, -0.5, -0.5, -1.0, 2.0, -1.0])
+    mean = r.reshape(2, 3).mean(1, keepdim=True)
+    assert adv.tolist() == pytest.approx((1.5 * (r.reshape(2, 3) - mean)).reshape(-1).tolist())
+
+
+def test_reinforce_pp_by_hand():
+    """Reward minus group mean on every response token, minus kl_coef x the token's KL, whitened over
+    the valid tokens of the batch; padding gets 0."""
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    kl = torch.tensor([[0.2, 0.0, 9.0], [0.0, 0.0, 9.0], [0.1, 0.1, 0.1], [0.0, 0.4, 9.0]])
+    adv = losses.reinforce_pp_advantages(r, 2, mask, kl, kl_coef=0.5)
+    raw = [[0.4, 0.5], [-0.5], [-0.05, -0.05, -0.05], [0.0, -0.2]]  # (r - group mean) - 0.5 kl
+    flat = [v for row in raw for v in row]
+    mean = sum(flat) / len(flat)
+    std = math.sqrt(sum((v - mean) ** 2 for v in flat) / len(flat))
+    expected = [[(v - mean) / std for v in row] + [0.0] * (3 - len(row)) for row in raw]
+    assert adv.tolist() == [pytest.approx(row, abs=1e-6) for row in expected]
+
+
+def _as_rank(fn, mine, other):
+    """fn on this rank's half of a batch, its reduce adding what the other rank's half contributes (as
+    dp_sum does over the data-parallel group): the other half's moment vectors, call by call."""
+    recorded = []
+    fn(other, lambda t: recorded.append(t) or t)
+    calls = iter(recorded)
+    return fn(mine, lambda t: t + next(calls))
+
+
+def test_batch_statistics_span_every_data_parallel_rank():
+    """std_normalization=batch, GDPO and REINFORCE++ normalize over the global batch: two ranks holding
+    half of it each compute the full batch's advantages, which their local statistics would not."""
+    torch.manual_seed(0)
+    rewards, components, mask = torch.rand(16), torch.rand(16, 2), (torch.rand(16, 5) > 0.3).float()
+    cases = [(lambda x, reduce: losses.group_advantages(x, 4, "mean", "batch", reduce=reduce), rewards),
+             (lambda x, reduce: losses.gdpo_advantages(x, torch.tensor([1.0, 0.5]), 4, reduce=reduce), components),
+             (lambda x, reduce: losses.reinforce_pp_advantages(x[0], 4, x[1], reduce=reduce), (rewards, mask))]
+    for fn, batch in cases:
+        halves = list(zip(*(x.chunk(2) for x in batch))) if isinstance(batch, tuple) else list(batch.chunk(2))
+        full = fn(batch, lambda t: t)
+        joined = torch.cat([_as_rank(fn, halves[0], halves[1]), _as_rank(fn, halves[1], halves[0])])
+        assert torch.allclose(joined, full, atol=1e-6)
+        local = torch.cat([fn(h, lambda t: t) for h in halves])
+        assert not torch.allclose(local, full, atol=1e-3)  # what each rank alone would have computed

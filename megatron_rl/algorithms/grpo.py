@@ -66,7 +66,8 @@ def grpo_loss(cfg: Config, batch: dict, logits: torch.Tensor, record=None):
     report = {"clipped": losses.masked_sum(clipped.float(), mask).detach()}
     if a.kl_coef:
         kl = losses.kl_penalty(logp, batch["ref_logp"], a.kl_estimator)
-        loss = loss + a.kl_coef * kl
+        if a.advantage_estimator != "reinforce_pp":  # there the KL is in the reward
+            loss = loss + a.kl_coef * kl
         report["kl_sum"] = losses.masked_sum(kl, mask).detach()
     if a.mismatch_correction != "none":
         weights, masked = losses.mismatch_weights(old, batch["rollout_logp"], mask,
@@ -198,16 +199,34 @@ def reward_model_stats(scores: torch.Tensor) -> dict:
             "reward_model/min": low.item(), "reward_model/max": high.item()}
 
 
-def advantages_of(cfg: Config, scored: Scored) -> torch.Tensor:
+def dp_sum(t: torch.Tensor) -> torch.Tensor:
+    """t summed over the data-parallel ranks (which hold different samples): batch-wide statistics."""
+    from megatron.core import parallel_state as ps
+
+    t = t.clone()
+    dist.all_reduce(t, group=ps.get_data_parallel_group())
+    return t
+
+
+def advantages_of(cfg: Config, scored: Scored, batch: dict | None = None) -> torch.Tensor:
+    """Per-sample advantages (N,), or per token (N, S) for reinforce_pp, which needs the packed batch
+    (its loss mask, and with a KL penalty the reference's and the rollout's logprobs)."""
     a, n = cfg.algorithm, cfg.rollout.n
-    if a.advantage_estimator == "gdpo":
-        if not scored.components:
-            raise ConfigError(f"algorithm.advantage_estimator=gdpo needs named reward components, but rewards.fn="
-                              f"{cfg.rewards.fn!r} returns a single number; use a function returning a dict.")
-        names = sorted(scored.components)
-        weights = torch.tensor([cfg.rewards.weights.get(k, 1.0) for k in names])
-        return losses.gdpo_advantages(torch.stack([scored.components[k] for k in names], dim=1), weights, n)
-    return losses.group_advantages(scored.rewards, n, a.baseline, a.std_normalization)
+    match a.advantage_estimator:
+        case "gdpo":
+            if not scored.components:
+                raise ConfigError(f"algorithm.advantage_estimator=gdpo needs named reward components, but rewards.fn="
+                                  f"{cfg.rewards.fn!r} returns a single number; use a function returning a dict.")
+            names = sorted(scored.components)
+            weights = torch.tensor([cfg.rewards.weights.get(k, 1.0) for k in names])
+            return losses.gdpo_advantages(torch.stack([scored.components[k] for k in names], dim=1), weights, n,
+                                          reduce=dp_sum)
+        case "rloo":
+            return losses.group_advantages(scored.rewards, n, "loo", "none")
+        case "reinforce_pp":
+            kl = losses.kl_penalty(batch["rollout_logp"], batch["ref_logp"], a.kl_estimator) if a.kl_coef else None
+            return losses.reinforce_pp_advantages(scored.rewards, n, batch["loss_mask"], kl, a.kl_coef, reduce=dp_sum)
+    return losses.group_advantages(scored.rewards, n, a.baseline, a.std_normalization, reduce=dp_sum)
 
 
 def run(cfg: Config, run_dir: Path) -> dict:
@@ -250,20 +269,25 @@ def run(cfg: Config, run_dir: Path) -> dict:
         with prof.range("rollout"):
             scored, sampling_stats = sample(cfg, step, engine, runner, tokenizer, next_prompts, dp_rank, tape)
             rollout, rewards = scored.rollout, scored.raw
-            advantages = advantages_of(cfg, scored)
+            per_token = a.advantage_estimator == "reinforce_pp"  # after the reference's logprobs
+            advantages = None if per_token else advantages_of(cfg, scored)
         times["perf/time_rollout_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         with prof.range("logprob"):
             batch = rl_data.pack(rollout.prompts, rollout.completions, cfg.data.seq_length, tokenizer.pad_token_id,
                                  rollout_logp=rollout.logprobs)
-            batch.update(index=torch.arange(len(rewards)), advantages=advantages)
+            batch["index"] = torch.arange(len(rewards))
+            if advantages is not None:
+                batch["advantages"] = advantages
             if tape is not None:
                 batch.update(pack_routes(rollout.routes, cfg.data.seq_length))
             if not trains_the_old_policy(a):  # else the training forward's logprobs are the old ones
                 batch["old_logp"] = logprobs_of(trainee.model, batch, cfg, tape, a.router_replay)
             if reference is not None:
                 batch["ref_logp"] = logprobs_of(reference, batch, cfg, ref_tape, a.router_replay)
+            if per_token:
+                batch["advantages"] = advantages_of(cfg, scored, batch)
         times["perf/time_logprob_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()

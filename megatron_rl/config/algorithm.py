@@ -31,10 +31,15 @@ class AlgorithmConfig:
     baseline: Literal["mean", "loo"] = "mean"
     """GRPO advantage baseline: the group mean, or leave-one-out (the mean of the other samples)."""
     std_normalization: Literal["group", "batch", "none"] = "group"
-    """GRPO: divide advantages by the group's reward std, the whole batch's, or not at all."""
-    advantage_estimator: Literal["grpo", "gdpo"] = "grpo"
-    """gdpo: each named reward component normalized within its group, weighted (rewards.weights),
-    summed, then normalized over the batch (needs a reward function returning components)."""
+    """GRPO: divide advantages by the group's reward std, the whole batch's (over all data-parallel
+    ranks), or not at all."""
+    advantage_estimator: Literal["grpo", "gdpo", "rloo", "reinforce_pp"] = "grpo"
+    """grpo: baseline and std_normalization below. gdpo: each named reward component normalized within
+    its group, weighted (rewards.weights), summed, then normalized over the global batch (needs a reward
+    function returning components). rloo: the leave-one-out baseline without std scaling, r_i - mean of
+    the group's other rewards (an alias of baseline=loo with std_normalization=none). reinforce_pp:
+    REINFORCE++ with a baseline, r_i - group mean on every token, minus kl_coef x each token's KL to the
+    reference (the KL moves from the loss into the reward), whitened over all tokens of the global batch."""
     policy_loss: Literal["ppo", "cispo"] = "ppo"
     """ppo: the clipped surrogate. cispo: the clipped importance weight as a stop-gradient
     coefficient on the log-probability (MiniMax-M1), so clipped tokens still learn."""

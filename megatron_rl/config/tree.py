@@ -110,6 +110,18 @@ class Config:
         if self.parallel.cp > 1 and (a.ratio_level == "sequence" or a.mismatch_correction.startswith("sequence")):
             raise ConfigError("sequence-level ratios (algorithm.ratio_level=sequence, sequence mismatch corrections) "
                               "need each sequence whole on one rank; use parallel.cp=1 with them.")
+        if a.advantage_estimator in ("rloo", "reinforce_pp") and r.n < 2:
+            raise ConfigError(f"algorithm.advantage_estimator={a.advantage_estimator} compares each sample with the "
+                              f"other samples of its prompt: set rollout.n >= 2.")
+        if a.advantage_estimator == "rloo" and a.std_normalization == "batch":
+            raise ConfigError("algorithm.advantage_estimator=rloo is the leave-one-out baseline without std scaling; "
+                              "for batch scaling use advantage_estimator=grpo with baseline=loo.")
+        if a.advantage_estimator == "reinforce_pp" and (a.baseline != "mean" or a.std_normalization == "batch"):
+            raise ConfigError("algorithm.advantage_estimator=reinforce_pp subtracts the group mean and whitens over "
+                              "the global batch itself: leave algorithm.baseline=mean and std_normalization unset.")
+        if a.advantage_estimator == "reinforce_pp" and a.ratio_level == "sequence":
+            raise ConfigError("algorithm.advantage_estimator=reinforce_pp gives each token its own advantage: set "
+                              "algorithm.ratio_level=token.")
         if a.advantage_estimator == "gdpo" and a.baseline != "mean":
             raise ConfigError("algorithm.advantage_estimator=gdpo normalizes each component by its group mean and std; "
                               "set algorithm.baseline=mean.")
