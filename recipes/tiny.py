@@ -236,6 +236,49 @@ def tiny_distill() -> Config:
     return cfg
 
 
+@register
+def tiny_mopd_sft() -> Config:
+    """tiny_sft on addition and subtraction ('a-b=' with a >= b; '-' joins the vocabulary): the student of
+    tiny_mopd, and the start of its two teachers."""
+    cfg = tiny_sft()
+    cfg.data.ops = "+-"
+    return cfg
+
+
+def _op_teacher(op: str) -> Config:
+    """tiny_mopd_sft's model, 1000 more steps on clean problems of one operation (it forgets the other)."""
+    cfg = tiny_teacher()
+    cfg.data.ops, cfg.data.train_ops = "+-", op
+    cfg.train.max_steps, cfg.train.eval_every = 1000, 250
+    cfg.checkpoint.load = "runs/tiny_mopd_sft"
+    return cfg
+
+
+@register
+def tiny_teacher_add() -> Config:
+    """tiny_mopd_sft's model trained further on clean additions only: tiny_mopd's teacher of addition."""
+    return _op_teacher("+")
+
+
+@register
+def tiny_teacher_sub() -> Config:
+    """tiny_mopd_sft's model trained further on clean subtractions only: tiny_mopd's teacher of subtraction."""
+    return _op_teacher("-")
+
+
+@register
+def tiny_mopd() -> Config:
+    """Multi-teacher on-policy distillation (run tiny_mopd_sft, tiny_teacher_add and tiny_teacher_sub first):
+    each prompt's row names its operation's teacher; every sampled token's advantage is the teacher's
+    log-prob minus the student's. Validation reports accuracy per operation (val/accuracy_add, _sub)."""
+    cfg = tiny_distill()
+    cfg.data.ops = "+-"
+    cfg.distill = DistillConfig(teachers={"add": "runs/tiny_teacher_add", "sub": "runs/tiny_teacher_sub"})
+    cfg.checkpoint.load = "runs/tiny_mopd_sft"
+    cfg.optimizer.lr, cfg.optimizer.min_lr = 1e-4, 1e-5
+    return cfg
+
+
 def tiny_nemotron_h_model() -> ModelConfig:
     """Nemotron-H-shaped hybrid: Mamba-2, attention, MLP and MoE layers (sigmoid router with expert
     bias and a shared expert, squared-ReLU MLPs, no rotary embeddings)."""

@@ -203,6 +203,9 @@ CASES = {
     "distill top-k above the vocabulary": (lambda f: [*_distill(f), "distill.topk=99"], "exceeds the vocabulary"),
     "teacher missing": (lambda f: [*_distill(f), f"distill.teacher={f['dir']}/nope"], "does not exist"),
     "teacher of another tokenizer": (lambda f: [*_distill(f), f"distill.teacher={f['hf']}"], "another tokenizer"),
+    "row naming a teacher not given": (lambda f: ["--recipe", "tiny_mopd", *QUIET, f"distill.teachers=add:{f['ckpt']}"],
+                                       "names teacher 'sub', which distill.teachers does not have (add)"),
+    "unknown arithmetic operation": (lambda f: ["--recipe", "tiny_sft", "data.ops=*"], "data.ops='*' must be"),
     # reward functions
     "reward not module:function": (lambda f: _grpo(f, "good", "rewards.fn=closeness"), "module:function"),
     "reward import error": (lambda f: _grpo(f, "good", "rewards.fn=badreward:score"), "cannot be loaded"),

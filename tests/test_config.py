@@ -174,3 +174,15 @@ def test_cli_print_config_and_list():
     proc = run_train(["--recipe", "tiny_sft", "optimizer.lr=3e-4", "train.max_steps=50", "--print-config"])
     assert '"lr": 0.0003' in proc.stdout and '"max_steps": 50' in proc.stdout
     assert "  tiny_sft " in run_train(["--list-recipes"]).stdout
+
+
+def test_dict_overrides_take_numbers_or_text():
+    from megatron_rl.config import ConfigError, apply_overrides
+    from recipes import get_recipe
+
+    cfg = apply_overrides(get_recipe("tiny_mopd"), ["distill.teachers=add:runs/a, sub:/abs/b", "rewards.weights=x:1,y:0.5"])
+    assert cfg.distill.teachers == {"add": "runs/a", "sub": "/abs/b"} and cfg.rewards.weights == {"x": 1.0, "y": 0.5}
+    with pytest.raises(ConfigError, match="write name:value pairs"):
+        apply_overrides(get_recipe("tiny_mopd"), ["distill.teachers=add"])
+    with pytest.raises(ConfigError, match="needs a teacher"):
+        apply_overrides(get_recipe("tiny_mopd"), ["distill.teacher=x"]).validate()

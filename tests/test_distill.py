@@ -168,3 +168,52 @@ def test_tiny_distill_learns_from_a_better_teacher(sft_run, tmp_path):
                   "train.eval_every=0", "checkpoint.save=false", f"logging.run_dir={student}"]])
     accuracy = column(student, "val/accuracy")
     assert accuracy[-1] >= accuracy[0] + GAIN, (accuracy, metrics(teacher)[-1]["val/accuracy"])
+
+
+def test_arithmetic_with_subtraction_for_several_teachers(tmp_path):
+    """data.ops='+-': 'a-b=' with a >= b, each row naming its operation's teacher; '-' joins the
+    vocabulary only when asked for (addition-only tokenizers and checkpoints stay as they were);
+    data.train_ops keeps the training split to some operations, validation to all."""
+    import json
+    import random
+
+    from megatron_rl.data import arithmetic
+
+    rng = random.Random(0)
+    rows = [arithmetic.make_problem(rng, 2, "+-") for _ in range(200)]
+    assert {r["teacher"] for r in rows} == {"add", "sub"}
+    for r in rows:
+        a, op, b = r["prompt"][:-1].partition("-") if r["teacher"] == "sub" else r["prompt"][:-1].partition("+")
+        assert int(r["answer"]) == (int(a) - int(b) if op == "-" else int(a) + int(b)) >= 0
+    assert arithmetic.alphabet("+") == arithmetic.ALPHABET and arithmetic.alphabet("+-") == arithmetic.ALPHABET + "-"
+    assert "teacher" not in arithmetic.make_problem(random.Random(0), 2)  # addition-only rows as before
+    train, val = arithmetic.write_splits(tmp_path, 300, 100, 2, 0, ops="+-", train_ops="-")
+    assert {json.loads(line)["teacher"] for line in train.read_text().splitlines()} == {"sub"}
+    assert {json.loads(line)["teacher"] for line in val.read_text().splitlines()} == {"add", "sub"}
+
+
+def test_each_sample_is_scored_by_the_teacher_its_row_names(monkeypatch):
+    """MOPD's advantage: the named teacher's log-prob of each sampled token minus the student's (the
+    rollout's), on response tokens only."""
+    from megatron_rl.algorithms import distill
+
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.0, 1.0, 1.0]])
+    student = torch.tensor([[0.0, -1.0, -2.0], [0.0, -0.5, 0.0], [0.0, -3.0, -1.0]])
+    teachers = {"add": torch.full((3, 3), -0.25), "sub": torch.full((3, 3), -4.0)}
+    monkeypatch.setattr(distill, "logprobs_of", lambda chunks, batch, cfg, vocab: chunks)  # a teacher's log-probs
+    adv = distill.teacher_advantages(teachers, ["sub", "add", "add"], {"loss_mask": mask, "rollout_logp": student},
+                                     None, 15)
+    assert adv.tolist() == [[0.0, -3.0, -2.0], [0.0, 0.25, 0.0], [0.0, 2.75, 0.75]]
+
+
+def test_mopd_against_itself_has_no_gap(tmp_path):
+    """Two teachers that are the student itself: every token's advantage (teacher minus student log-prob)
+    is 0 at the first step; validation reports accuracy per operation."""
+    sft = tmp_path / "sft"
+    run_recipes([["--recipe", "tiny_mopd_sft", "train.max_steps=2", "train.eval_every=0", "logging.progress=false",
+                  "logging.tensorboard=false", "data.num_train=2000", f"logging.run_dir={sft}"],
+                 ["--recipe", "tiny_mopd", *QUICK, "train.max_steps=1", f"checkpoint.load={sft}",
+                  f"distill.teachers=add:{sft},sub:{sft}", f"logging.run_dir={tmp_path / 'mopd'}"]])
+    last = metrics(tmp_path / "mopd")[-1]
+    assert abs(last["distill/teacher_student_logprob_gap_mean"]) < 1e-6
+    assert {"val/accuracy_add", "val/accuracy_sub", "train/loss", "train/grad_norm"} <= set(last)

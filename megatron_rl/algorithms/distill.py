@@ -8,7 +8,12 @@ teacher forward on them (its top-k over the whole vocabulary under tensor parall
 training/logprobs.vocab_topk), then one optimizer step on the token mean of the KL over the global
 batch. The teacher is built in the same SPMD program and parallel layout as the student.
 
-Left out here: several teachers (MOPD), teachers with another tokenizer.
+With several teachers (distill.teachers, MOPD) each data row names its teacher; every token's
+advantage is stop-gradient(log p_teacher - log p_student) of the sampled token (the student's from the
+rollout), and the student takes the GRPO loop's policy-loss step on it (a sampled estimate of the
+reverse KL to its teacher; clipping and mismatch correction as algorithm.* say).
+
+Left out here: teachers with another tokenizer.
 """
 
 import time
@@ -29,31 +34,55 @@ from megatron_rl.training.loop import due, finish, save_if_due, schedule_metrics
 from megatron_rl.training.setup import build_trainee, compute_dtype, load_initial_state, write_run_assets
 from megatron_rl.training.step import cp_sum, forward_only, global_mean, make_microbatches, put_tokens
 
+from .grpo import logprobs_of, train_on, trains_the_old_policy
 
-def build_teacher(cfg: Config, tokenizer):
-    """The frozen teacher of distill.teacher, after checking that it is a language model with the
-    student's tokenizer and that distill.topk fits the vocabulary."""
+
+def build_teacher(cfg: Config, tokenizer, path: str, key: str = "distill.teacher"):
+    """The frozen teacher at `path` (the setting `key` names it), after checking that it is a language
+    model with the student's tokenizer."""
     from megatron_rl.data.tokenizer import load_tokenizer, tokenizer_difference
     from megatron_rl.training.frozen import load_frozen
 
-    d = cfg.distill
-    if not Path(d.teacher).exists():
-        raise ConfigError(f"distill.teacher={d.teacher!r} does not exist; give our checkpoint or run directory, or a "
-                          "Hugging Face directory.")
-    if d.topk > len(tokenizer):
-        raise ConfigError(f"distill.topk={d.topk} exceeds the vocabulary ({len(tokenizer)} tokens); lower it.")
+    if not Path(path).exists():
+        raise ConfigError(f"{key}={path!r} does not exist; give our checkpoint or run directory, or a Hugging Face "
+                          "directory.")
 
-    def check(model, path, tokenizer_dir):
+    def check(model, _, tokenizer_dir):
         if model.head != "lm":
-            raise ConfigError(f"distill.teacher={d.teacher!r} is a reward model; a teacher is a language model.")
+            raise ConfigError(f"{key}={path!r} is a reward model; a teacher is a language model.")
         difference = tokenizer_difference(tokenizer, load_tokenizer(tokenizer_dir))
         if difference:
-            raise ConfigError(f"distill.teacher={d.teacher!r} has another tokenizer than the student ({difference}); "
-                              "this distillation compares the two models token by token and needs one tokenizer "
+            raise ConfigError(f"{key}={path!r} has another tokenizer than the student ({difference}); this "
+                              "distillation compares the two models token by token and needs one tokenizer "
                               "(cross-tokenizer distillation is not built yet).")
 
-    frozen = load_frozen(cfg, d.teacher, check=check)
-    return frozen.chunks
+    return load_frozen(cfg, path, check=check).chunks
+
+
+def build_teachers(cfg: Config, tokenizer, train_meta: list[dict]) -> dict[str, list]:
+    """name -> teacher chunks: distill.teachers, each row of the training data naming one of them; or
+    distill.teacher under the name '' (after checking that distill.topk fits the vocabulary)."""
+    d = cfg.distill
+    if not d.teachers:
+        if d.topk > len(tokenizer):
+            raise ConfigError(f"distill.topk={d.topk} exceeds the vocabulary ({len(tokenizer)} tokens); lower it.")
+        return {"": build_teacher(cfg, tokenizer, d.teacher)}
+    for i, meta in enumerate(train_meta):
+        if meta.get("teacher") not in d.teachers:
+            raise ConfigError(f"training row {i + 1} names teacher {meta.get('teacher')!r}, which distill.teachers does "
+                              f"not have ({', '.join(sorted(d.teachers))}); give every row a 'teacher' among them.")
+    return {name: build_teacher(cfg, tokenizer, path, f"distill.teachers {name}") for name, path in d.teachers.items()}
+
+
+def teacher_advantages(teachers: dict[str, list], names: list[str], batch: dict, cfg: Config, vocab: int) -> torch.Tensor:
+    """MOPD: per token, stop-gradient(log p_teacher - log p_student) of the sampled token (N, S), each
+    sample against the teacher its row names; the student's log-probs are the rollout's."""
+    teacher_logp = torch.zeros_like(batch["loss_mask"])
+    for name, chunks in teachers.items():  # every teacher on every rank: the forwards are collective
+        logp = logprobs_of(chunks, batch, cfg, vocab=vocab)
+        rows = torch.tensor([n == name for n in names])
+        teacher_logp[rows] = logp[rows]
+    return (teacher_logp - batch["rollout_logp"]) * batch["loss_mask"]
 
 
 def vocabulary(cfg: Config, tokenizer) -> int:
@@ -96,8 +125,8 @@ def run(cfg: Config, run_dir: Path) -> dict:
     from megatron.core import parallel_state as ps
 
     a, r = cfg.algorithm, cfg.rollout
-    tokenizer, (train_prompts, _), (val_prompts, val_meta) = rl_data.prompt_splits(cfg, run_dir)
-    teacher = build_teacher(cfg, tokenizer)
+    tokenizer, (train_prompts, train_meta), (val_prompts, val_meta) = rl_data.prompt_splits(cfg, run_dir)
+    teachers = build_teachers(cfg, tokenizer, train_meta)
     trainee = build_trainee(cfg)
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     stream = Batches({"index": torch.arange(len(train_prompts))}, a.prompts_per_step, cfg.data.seed, dp_rank, dp)
@@ -120,8 +149,8 @@ def run(cfg: Config, run_dir: Path) -> dict:
         times = {}
         t0 = time.perf_counter()
         with prof.range("rollout"):
-            prompts = [train_prompts[i] for i in stream.next()["index"].tolist()]
-            rollout = engine.generate(prompts, n=r.n, seed=r.seed + step * 7919 + dp_rank)
+            index = stream.next()["index"].tolist()
+            rollout = engine.generate([train_prompts[i] for i in index], n=r.n, seed=r.seed + step * 7919 + dp_rank)
         times["perf/time_rollout_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -129,22 +158,35 @@ def run(cfg: Config, run_dir: Path) -> dict:
             batch = rl_data.pack(rollout.prompts, rollout.completions, cfg.data.seq_length, tokenizer.pad_token_id,
                                  rollout_logp=rollout.logprobs)
             batch["index"] = torch.arange(len(rollout.completions))
-            batch["topk_ids"], batch["topk_logp"] = teacher_topk(teacher, batch, cfg, vocab)
+            if cfg.distill.teachers:
+                names = [train_meta[i]["teacher"] for i in index for _ in range(r.n)]
+                batch["advantages"] = teacher_advantages(teachers, names, batch, cfg, vocab)
+                if not trains_the_old_policy(a):
+                    batch["old_logp"] = logprobs_of(trainee.model, batch, cfg)
+            else:
+                batch["topk_ids"], batch["topk_logp"] = teacher_topk(teachers[""], batch, cfg, vocab)
         times["perf/time_teacher_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         with prof.range("train"):
-            keys = ("tokens", "labels", "loss_mask", "topk_ids", "topk_logp")
-            micro = make_microbatches(cfg, {k: batch[k] for k in keys}, cfg.data.micro_batch_size)
-            report, grad_norm = train_step(trainee, micro, loss_fn)
+            if cfg.distill.teachers:  # the policy loss of the GRPO loop on the teachers' per-token advantages
+                train_metrics = train_on(trainee, cfg, batch)
+                gap = global_mean({"distill/teacher_student_logprob_gap_mean": batch["advantages"].sum().item()},
+                                  batch["loss_mask"].sum().item())
+                train_metrics.update(gap)
+            else:
+                keys = ("tokens", "labels", "loss_mask", "topk_ids", "topk_logp")
+                micro = make_microbatches(cfg, {k: batch[k] for k in keys}, cfg.data.micro_batch_size)
+                report, grad_norm = train_step(trainee, micro, loss_fn)
+                tokens = max(report.get("tokens", 0.0), 1.0)
+                train_metrics = {"train/loss": report.get("loss_num", 0.0) / tokens, "train/grad_norm": grad_norm,
+                                 "train/student_topk_mass": report.get("topk_mass", 0.0) / tokens}
         times["perf/time_train_s"] = time.perf_counter() - t0
         step += 1
 
-        tokens = max(report.get("tokens", 0.0), 1.0)
         generated = sum(rollout.lengths)
         metrics = {
-            "train/loss": report.get("loss_num", 0.0) / tokens, "train/grad_norm": grad_norm,
-            "train/student_topk_mass": report.get("topk_mass", 0.0) / tokens,
+            **train_metrics,
             **global_mean({"rollout/response_len_mean": float(generated),
                            "rollout/truncated_frac": float(sum(rollout.truncated))}, len(rollout.completions)),
             **times, "perf/rollout_tokens_per_s": generated * dp / times["perf/time_rollout_s"],

@@ -80,14 +80,16 @@ def grpo_loss(cfg: Config, batch: dict, logits: torch.Tensor, record=None):
     return num, den.int(), report
 
 
-def logprobs_of(model_chunks: list, batch: dict, cfg: Config, tape=None, replay: bool = False) -> torch.Tensor:
+def logprobs_of(model_chunks: list, batch: dict, cfg: Config, tape=None, replay: bool = False,
+                vocab: int = 0) -> torch.Tensor:
     """Per-token logprobs of the labels (N, S) under `model_chunks`, from the training forward
     (valid on the last pipeline stage; zeros elsewhere). tape: the model's RoutingTape, replaying
-    the rollout's routes (or comparing with them)."""
+    the rollout's routes (or comparing with them). vocab: ids from here on are masked (default:
+    model.vocab_size; another model of the same tokenizer may pad its vocabulary differently)."""
     out = torch.zeros_like(batch["loss_mask"])
 
     def collect(mb, logits):
-        put_tokens(out, mb, token_logprobs(mask_padded_vocab(logits, cfg.model.vocab_size), mb["labels"]))
+        put_tokens(out, mb, token_logprobs(mask_padded_vocab(logits, vocab or cfg.model.vocab_size), mb["labels"]))
 
     keys = ("tokens", "labels", "loss_mask", "index", *(["routes", "fed"] if tape is not None else []))
     micro = make_microbatches(cfg, {k: batch[k] for k in keys}, cfg.data.micro_batch_size)

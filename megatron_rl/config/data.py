@@ -38,6 +38,11 @@ class DataConfig:
     num_val: int = 256
     digits: int = 3
     """Arithmetic task: maximum digits per operand."""
+    ops: str = "+"
+    """Arithmetic task: its operations, '+', '-' or '+-' (subtraction a-b with a >= b; with both, each
+    row names its operation in 'teacher' as add or sub; '-' joins the vocabulary only when asked for)."""
+    train_ops: str = ""
+    """Arithmetic task: the operations of the training split (default: all of ops); validation keeps all."""
     noise: float = 0.0
     """Arithmetic task: share of training responses that are off by one (imperfect demonstrations);
     the 'answer' field, which rewards check, and the validation split stay exact."""
@@ -69,5 +74,9 @@ class DataConfig:
                 f"data.global_batch_size={self.global_batch_size} is not divisible by data.micro_batch_size"
                 f" x data-parallel size = {self.micro_batch_size} x {dp}; make it a multiple of "
                 f"{self.micro_batch_size * dp}.")
+        if not self.ops or set(self.ops) - {"+", "-"} or len(set(self.ops)) < len(self.ops) or \
+                set(self.train_ops) - set(self.ops):
+            raise ConfigError(f"data.ops={self.ops!r} must be '+', '-' or '+-', and data.train_ops={self.train_ops!r} "
+                              "some of them (or empty: all).")
         if not self.task and not self.train_path:
             raise ConfigError("set data.task to a built-in task or data.train_path to a JSONL file.")

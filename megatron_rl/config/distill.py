@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from .base import ConfigError
@@ -13,6 +13,11 @@ class DistillConfig:
     teacher: str = ""
     """The teacher: our checkpoint or run directory, or a Hugging Face directory of a supported family (any
     size); it must share the student's tokenizer."""
+    teachers: dict[str, str] = field(default_factory=dict)
+    """Several teachers (multi-teacher on-policy distillation, MOPD), name:path pairs; each data row names
+    its teacher in its 'teacher' field. Each token's advantage is then stop-gradient(log p_teacher -
+    log p_student) of the sampled token, in the policy loss of the GRPO loop (algorithm.* clip and
+    mismatch correction settings apply); no reward, no top-k."""
     topk: int = 64
     """The teacher's top-k tokens per position on which the loss is computed (at most the vocabulary)."""
     kl_type: Literal["forward", "reverse", "mixed"] = "forward"
@@ -25,9 +30,10 @@ class DistillConfig:
     mass outside the top-k. Off: the student's full-vocabulary log-probs, gathered at the top-k."""
 
     def validate(self):
-        if not self.teacher:
+        if bool(self.teacher) == bool(self.teachers):
             raise ConfigError("algorithm.name=distill needs a teacher: set distill.teacher to our checkpoint or run "
-                              "directory, or a Hugging Face directory.")
+                              "directory, or a Hugging Face directory (or distill.teachers=name:path,... for several, "
+                              "not both).")
         if self.topk < 1:
             raise ConfigError(f"distill.topk={self.topk} must be at least 1 (64 is usual).")
         if not 0 <= self.mixed_kl_weight <= 1:

@@ -45,10 +45,16 @@ def _parse_value(text: str, annotation, key: str):
     if origin is list:
         (item_type,) = typing.get_args(hint) or (str,)
         return [_parse_value(item.strip(), item_type, key) for item in text.split(",") if item.strip()]
-    if origin is dict:  # name:number,name:number
+    if origin is dict:  # name:number,name:number (or name:text)
+        value_type = (typing.get_args(hint) or (str, float))[1]
         out = {}
         for item in filter(None, (i.strip() for i in text.split(","))):
             name, _, value = item.partition(":")
+            if value_type is str:
+                if not name.strip() or not value.strip():
+                    raise ConfigError(f"{key}={text!r}: write name:value pairs separated by commas.")
+                out[name.strip()] = value.strip()
+                continue
             try:
                 out[name.strip()] = float(value)
             except ValueError:

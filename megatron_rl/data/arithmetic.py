@@ -11,29 +11,46 @@ import random
 from pathlib import Path
 
 ALPHABET = "0123456789+="
+OPS = {"+": "add", "-": "sub"}  # operation -> the name rows of several operations carry in 'teacher'
 
 
-def make_problem(rng: random.Random, digits: int) -> dict:
+def alphabet(ops: str = "+") -> str:
+    """The task's characters; '-' is appended only when subtraction is asked for, so the tokenizer of
+    an addition-only task (and every checkpoint trained on it) stays as it was."""
+    return ALPHABET + "-" * ("-" in ops)
+
+
+def make_problem(rng: random.Random, digits: int, ops: str = "+") -> dict:
+    """'a+b=' -> a + b, or 'a-b=' -> a - b with a >= b. With several operations the row names its
+    operation in 'teacher' (multi-teacher distillation routes on it)."""
+    op = rng.choice(ops) if len(ops) > 1 else ops
     a = rng.randrange(10 ** rng.randint(1, digits))
     b = rng.randrange(10 ** rng.randint(1, digits))
-    return {"prompt": f"{a}+{b}=", "response": str(a + b), "answer": str(a + b)}
+    if op == "-":
+        a, b = max(a, b), min(a, b)
+    total = a + b if op == "+" else a - b
+    row = {"prompt": f"{a}{op}{b}=", "response": str(total), "answer": str(total)}
+    return {**row, "teacher": OPS[op]} if len(ops) > 1 else row
 
 
 def write_splits(out_dir: str | Path, num_train: int, num_val: int, digits: int, seed: int,
-                 noise: float = 0.0) -> tuple[Path, Path]:
-    """Write train.jsonl and val.jsonl with no val prompt also in train; returns their paths."""
+                 noise: float = 0.0, ops: str = "+", train_ops: str = "") -> tuple[Path, Path]:
+    """Write train.jsonl and val.jsonl with no val prompt also in train; returns their paths.
+    Validation covers every operation of `ops`; training only those of `train_ops` (default: all)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     val, seen = [], set()
     while len(val) < num_val:
-        row = make_problem(rng, digits)
+        row = make_problem(rng, digits, ops)
         if row["prompt"] not in seen:
             seen.add(row["prompt"])
             val.append(row)
     train = []
     while len(train) < num_train:
-        row = make_problem(rng, digits)
+        row = make_problem(rng, digits, ops)
+        if train_ops and not any(op in row["prompt"] for op in train_ops):
+            continue
         if row["prompt"] not in seen:
             if rng.random() < noise:
                 row["response"] = str(int(row["answer"]) + 1)

@@ -25,9 +25,9 @@ def data_files(cfg: Config, run_dir: Path):
         data_dir = run_dir / "data"
         if dist.get_rank() == 0:
             arithmetic.write_splits(data_dir, cfg.data.num_train, cfg.data.num_val, cfg.data.digits, cfg.data.seed,
-                                    cfg.data.noise)
+                                    cfg.data.noise, cfg.data.ops, cfg.data.train_ops)
             if not tok_path:
-                build_char_tokenizer(arithmetic.ALPHABET, data_dir / "tokenizer")
+                build_char_tokenizer(arithmetic.alphabet(cfg.data.ops), data_dir / "tokenizer")
         train_path, val_path = data_dir / "train.jsonl", data_dir / "val.jsonl"
         tok_path = tok_path or data_dir / "tokenizer"
     dist.barrier()
