@@ -21,9 +21,8 @@ def _moments(x: torch.Tensor, mask: torch.Tensor | None = None, reduce=_local) -
     return mean, (s[1] / s[2] - mean**2).clamp(min=0), s[2]
 
 
-def _batch_std(x: torch.Tensor, reduce=_local) -> torch.Tensor:
-    """The unbiased standard deviation of x over the whole batch (as torch.std over all of it)."""
-    _, var, n = _moments(x, reduce=reduce)
+def _unbiased_std(var: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """The unbiased standard deviation (as torch.std) from a population variance over n values."""
     return (var * n / (n - 1)).sqrt()
 
 
@@ -51,7 +50,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, baseline: str = "me
         case "group":
             adv = adv / (r.std(dim=1, keepdim=True) + eps)
         case "batch":
-            adv = adv / (_batch_std(r, reduce) + eps)
+            _, var, n = _moments(r, reduce=reduce)
+            adv = adv / (_unbiased_std(var, n) + eps)
         case "none":
             pass
         case _:
@@ -210,8 +210,8 @@ def gdpo_advantages(components: torch.Tensor, weights: torch.Tensor, group_size:
     c = components.double().reshape(-1, group_size, k)  # (groups, G, K)
     normed = (c - c.mean(dim=1, keepdim=True)) / (c.std(dim=1, keepdim=True) + eps)
     total = (normed * weights.double()).sum(dim=-1).reshape(-1)  # (N,)
-    mean = _moments(total, reduce=reduce)[0]
-    return ((total - mean) / (_batch_std(total, reduce) + eps)).to(components.dtype)
+    mean, var, n = _moments(total, reduce=reduce)  # one reduction over the ranks
+    return ((total - mean) / (_unbiased_std(var, n) + eps)).to(components.dtype)
 
 
 def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -12,7 +12,15 @@ class Frozen:
     chunks: list  # model chunks without DDP or optimizer, in eval mode, no gradients
     model: object  # its ModelConfig
     tokenizer_dir: Path  # where its tokenizer lies (an HF directory, or a checkpoint's assets)
-    source: Path  # the checkpoint or HF directory it was loaded from
+
+
+def freeze(chunks: list) -> list:
+    """Model chunks in eval mode with no parameter needing a gradient."""
+    for chunk in chunks:
+        chunk.eval()
+        for p in chunk.parameters():
+            p.requires_grad_(False)
+    return chunks
 
 
 def load_frozen(cfg: Config, path: str | Path, head: str | None = None, check=None) -> Frozen:
@@ -41,8 +49,4 @@ def load_frozen(cfg: Config, path: str | Path, head: str | None = None, check=No
         import_hf(chunks, model, path)
     else:
         checkpointing.load_weights(chunks, path, head=head or model.head)
-    for chunk in chunks:
-        chunk.eval()
-        for p in chunk.parameters():
-            p.requires_grad_(False)
-    return Frozen(chunks, model, tokenizer_dir, path)
+    return Frozen(freeze(chunks), model, tokenizer_dir)

@@ -17,6 +17,7 @@ def build_reference(cfg: Config, trainee, resumed: bool) -> list:
     checkpoint.load or model.hf_path."""
     from megatron_rl import checkpointing
     from megatron_rl.hf import import_hf
+    from megatron_rl.training.frozen import freeze
     from megatron_rl.training.setup import build_model
 
     reference, _ = build_model(cfg, wrap_ddp=False)
@@ -30,11 +31,7 @@ def build_reference(cfg: Config, trainee, resumed: bool) -> list:
     else:
         raise ConfigError("a resumed run's reference policy is its initial weights, which a run started from a random "
                           "init does not keep; start such runs from checkpoint.load or model.hf_path.")
-    for chunk in reference:
-        chunk.eval()
-        for p in chunk.parameters():
-            p.requires_grad_(False)
-    return reference
+    return freeze(reference)
 
 
 def weight_bytes(chunks: list) -> int:
