@@ -70,8 +70,56 @@ def reinforce_pp_advantages(rewards: torch.Tensor, group_size: int, mask: torch.
     adv = (r - r.mean(dim=1, keepdim=True)).reshape(-1, 1).expand(mask.shape).clone()
     if kl is not None:
         adv = adv - kl_coef * kl.double()
-    mean, var, _ = _moments(adv, mask, reduce)
-    return ((adv - mean) * var.clamp(min=1e-8).rsqrt() * mask).to(rewards.dtype)
+    return whiten(adv, mask, reduce).to(rewards.dtype)
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, reduce=_local) -> torch.Tensor:
+    """(x - mean) / sqrt(max(var, 1e-8)) over the valid tokens of the whole batch (reduce sums the
+    moments over the data-parallel ranks); 0 outside the mask."""
+    mean, var, _ = _moments(x, mask, reduce)
+    return (x - mean) * var.clamp(min=1e-8).rsqrt() * mask
+
+
+def token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
+                  kl_coef: float = 0.0) -> torch.Tensor:
+    """PPO's per-token reward (N, T) as InstructGPT and TRL define it: -kl_coef x each response token's KL
+    estimate to the reference, plus the sequence's score (N,) at its last response token."""
+    last = (torch.arange(mask.shape[1]) * (mask > 0)).argmax(dim=1)
+    r = torch.zeros(mask.shape, dtype=torch.float64)
+    r[torch.arange(len(mask)), last] = scores.double() * (mask.sum(dim=1) > 0)
+    if kl is not None:
+        r = r - kl_coef * kl.double() * mask
+    return r
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+        lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation over each row's response tokens (mask 1, contiguous): with
+    V after the last response token 0,
+        delta_t = r_t + gamma V_{t+1} - V_t,   A_t = delta_t + gamma lam A_{t+1},   R_t = A_t + V_t.
+    values[t] is the critic's value of the state that chose token t (the critic's output at the
+    position whose label is that token, as logprobs are). Returns (advantages, returns), (N, T) float64,
+    0 outside the mask."""
+    m, r, v = mask.double(), rewards.double(), values.double() * mask.double()
+    adv = torch.zeros_like(r)
+    carry = next_value = torch.zeros(len(r), dtype=torch.float64)
+    for t in reversed(range(r.shape[1])):
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        carry = (delta + gamma * lam * carry) * m[:, t]
+        next_value = v[:, t]
+        adv[:, t] = carry
+    return adv, adv + v
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+               clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token clipped value loss 0.5 max((V - R)^2, (clip(V, V_old +- clip) - R)^2) (PPO's; clip 0:
+    the plain squared error), and where the clipped term was the larger."""
+    loss = (values - returns) ** 2
+    if not clip:
+        return 0.5 * loss, torch.zeros_like(loss, dtype=torch.bool)
+    clipped = (old_values + (values - old_values).clamp(-clip, clip) - returns) ** 2
+    return 0.5 * torch.maximum(loss, clipped), clipped > loss
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -289,3 +337,18 @@ def distill_kl(student_logp: torch.Tensor, teacher_logp: torch.Tensor, kind: str
     if kind == "mixed":
         return forward_weight * forward + (1 - forward_weight) * reverse
     raise ValueError(f"unknown distillation KL {kind!r}; known: forward, reverse, mixed")
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, accurate at both ends (Maechler's switch at -log 2)."""
+    x = x.clamp(max=-1e-6)
+    return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def chunk_likelihood_loss(student_logp: torch.Tensor, teacher_logp: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Approximate likelihood matching (ALM, Minixhofer et al. 2025) per aligned chunk: the two models'
+    log-likelihoods of the same piece of text, each read as a Bernoulli probability p = exp(logp / T),
+    compared by the binary KL(teacher || student) = q log(q / p) + (1 - q) log((1 - q) / (1 - p))."""
+    s, t = student_logp / temperature, teacher_logp / temperature
+    q = t.exp()
+    return q * (t - s) + (1 - q) * (_log1mexp(t) - _log1mexp(s))

@@ -42,10 +42,12 @@ class StagePlan:
     kv_cache: int
     reserve: int = RUNTIME_RESERVE
     host: int = 0  # bytes of optimizer state this rank keeps in host memory (optimizer.cpu_offload)
+    others: int = 0  # bytes of the other models on this rank (reference, critic with its gradients and optimizer, ...)
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.activations + self.kv_cache + self.reserve
+        return (self.weights + self.grads + self.optimizer + self.activations + self.kv_cache + self.reserve
+                + self.others)
 
 
 @dataclass
@@ -58,6 +60,7 @@ class Plan:
     active_params: int = 0  # per token (MoE: the routed top-k of the experts)
     train_flops: float = 0.0  # per optimizer step, all ranks
     rollout_flops: float = 0.0  # per step's rollouts and logprob passes, all ranks
+    others: list[str] = field(default_factory=list)  # the other models counted in each stage's `others`
 
     @property
     def gpu_bytes(self) -> float:
@@ -211,12 +214,67 @@ def plan(cfg: Config, world_size: int = 0, gpu: str = "h100") -> Plan:
             grads=n * 4,  # gradients are reduced and kept in fp32 (grad_reduce_in_fp32)
             optimizer=int(state * sharded), activations=activation_bytes(cfg, layers, stage),
             kv_cache=kv_cache_bytes(cfg, kinds), host=int(host_state * sharded)))
+    _add_other_models(cfg, world_size, result, dp, expert_dp)
     m = cfg.model
     result.total_params = dense_total + expert_total
     routed = m.moe_topk / m.num_experts if m.num_experts else 1.0
     result.active_params = int(dense_total + expert_total * routed)
     result.train_flops, result.rollout_flops = step_flops(cfg, result.active_params)
     return result
+
+
+def other_models(cfg: Config) -> list[tuple[str, Config, bool]]:
+    """The models a run builds beside the policy, each (name, a config building it, trained): PPO's critic
+    (the policy with a score head and its own optimizer), the reference (a frozen copy of the policy, with
+    a KL penalty), and the reward model, teacher(s) or the preference negatives' policy where their
+    checkpoint or HF directory is readable here (their own architecture, frozen)."""
+    from megatron_rl.config.tree import ON_POLICY
+
+    a, out = cfg.algorithm, []
+    if a.name == "ppo":
+        critic = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, head="score"))
+        out.append(("critic", critic, True))
+    if (a.name in ON_POLICY and a.kl_coef) or (a.name == "dpo" and not a.precompute_reference):
+        out.append(("reference", cfg, False))
+    paths = {"reward model": cfg.rewards.model if cfg.rewards.fn == "reward_model" else ""}
+    if a.name == "distill":
+        paths.update({f"teacher {k}": v for k, v in cfg.distill.teachers.items()} or {"teacher": cfg.distill.teacher})
+    for name, path in paths.items():
+        model = _readable_model(path)
+        if model is not None:
+            out.append((name, dataclasses.replace(cfg, model=model), False))
+    return out
+
+
+def _readable_model(path: str):
+    """The ModelConfig of our checkpoint or an HF directory at `path`, or None where it cannot be read."""
+    from pathlib import Path
+
+    from megatron_rl import checkpointing
+    from megatron_rl.hf import model_config_from_hf
+
+    if not path or not Path(path).is_dir():
+        return None
+    try:
+        if checkpointing.is_ours(path):
+            return checkpointing.read_model_config(checkpointing.resolve(path))
+        return model_config_from_hf(path)
+    except Exception:  # noqa: BLE001  (a planner estimate goes on without a model it cannot read)
+        return None
+
+
+def _add_other_models(cfg: Config, world_size: int, result: Plan, dp: int, expert_dp: int):
+    """Each stage's bytes of the other models on its rank: weights, and for a trained one (the critic)
+    gradients and optimizer state as the policy's."""
+    state, _ = optimizer_bytes_per_param(cfg)
+    for name, other, trained in other_models(cfg):
+        result.others.append(name)
+        stages, _, _ = _parameter_counts(other, world_size)
+        for plan_stage, (_, n, experts, _) in zip(result.stages, stages):
+            plan_stage.others += n * _dtype_bytes(other)
+            if trained:
+                shard = (lambda k, group: k // group) if cfg.optimizer.distributed else (lambda k, group: k)
+                plan_stage.others += n * 4 + int(state * (shard(n - experts, dp) + shard(experts, expert_dp)))
 
 
 _COUNTS: dict[str, tuple] = {}
@@ -252,11 +310,14 @@ def step_flops(cfg: Config, active_params: int) -> tuple[float, float]:
     and backward, over the step's samples at seq_length tokens, times epochs), and rollouts (2 x per
     generated or re-scored token: generation, the old-policy pass, and the reference pass with KL).
     Attention's quadratic term is left out (short RL sequences)."""
+    from megatron_rl.config.tree import ON_POLICY
+
     a, r = cfg.algorithm, cfg.rollout
-    if a.name == "grpo":
+    if a.name in ON_POLICY:
         samples = a.prompts_per_step * r.n
-        train = 6 * active_params * samples * cfg.data.seq_length * a.epochs
-        passes = 1 + (a.kl_coef > 0)
+        critic = a.name == "ppo"  # trained like the policy, and one more forward for the old values
+        train = 6 * active_params * samples * cfg.data.seq_length * a.epochs * (1 + critic)
+        passes = 1 + (a.kl_coef > 0) + critic + (a.name == "distill")  # (a teacher counted at the policy's size)
         rollout = 2 * active_params * samples * (r.max_new_tokens + passes * cfg.data.seq_length)
         return float(train), float(rollout)
     return float(6 * active_params * cfg.data.global_batch_size * cfg.data.seq_length), 0.0
@@ -350,10 +411,10 @@ def format_plan(result: Plan) -> str:
     gb = lambda b: f"{b / 1e9:8.1f}"  # noqa: E731
     lines = [f"recipe {result.recipe}: {result.world_size} GPUs ({result.gpu}, {GPUS[result.gpu]} GB each); model "
              f"{result.total_params / 1e9:.1f}B parameters, {result.active_params / 1e9:.1f}B active per token",
-             "", "stage  rank layers  params(B)  weights  grads  optimizer  activations  kv-cache  reserve    total (GB)"]
+             "", "stage  rank layers  params(B)  weights  grads  optimizer  activations  kv-cache  reserve   others    total (GB)"]
     for s in result.stages:
         lines.append(f"{s.stage:5d} {s.rank:5d} {s.layers:6d} {s.params / 1e9:10.2f} {gb(s.weights)} {gb(s.grads)}"
-                     f" {gb(s.optimizer)}   {gb(s.activations)}  {gb(s.kv_cache)} {gb(s.reserve)} {gb(s.total)}")
+                     f" {gb(s.optimizer)}   {gb(s.activations)}  {gb(s.kv_cache)} {gb(s.reserve)} {gb(s.others)} {gb(s.total)}")
     worst = max(result.stages, key=lambda s: s.total)
     peak = GPU_BF16_TFLOPS[result.gpu] * 1e12 * result.world_size
     total = result.train_flops + result.rollout_flops
@@ -361,6 +422,9 @@ def format_plan(result: Plan) -> str:
                   f"{result.rollout_flops:.3g}; at 40% of the bf16 peak: {total / (0.4 * peak):.1f} s per step",
               ("FITS" if result.fits else "DOES NOT FIT") + f": the fullest rank (stage {worst.stage}) needs "
               f"{worst.total / 1e9:.1f} of {GPUS[result.gpu]} GB" + ("." if result.fits else ":")]
+    if result.others:
+        lines.insert(-1, f"others: {', '.join(result.others)} (weights; a trained model also its gradients and "
+                         "optimizer state)")
     host = max(s.host for s in result.stages)
     if host:
         lines.insert(-1, f"optimizer state in host memory (optimizer.cpu_offload): up to {host / 1e9:.1f} GB per GPU")

@@ -1,7 +1,7 @@
 """Tiny models on the built-in arithmetic task: fast on a 2-core CPU, used by the demo and tests."""
 
 from megatron_rl.config import (AlgorithmConfig, CheckpointConfig, Config, DataConfig, DistillConfig, ModelConfig,
-                                OptimizerConfig, RolloutConfig, SchedulerConfig, TrainConfig)
+                                OptimizerConfig, PPOConfig, RolloutConfig, SchedulerConfig, TrainConfig)
 
 from . import register
 
@@ -109,6 +109,16 @@ def tiny_reinforce_pp() -> Config:
     """REINFORCE++ with a baseline on the tiny task: the KL to tiny_sft's policy folded into each token's
     reward, advantages whitened over the global batch's tokens."""
     return _tiny_variant(advantage_estimator="reinforce_pp", kl_coef=0.01)
+
+
+@register
+def tiny_ppo() -> Config:
+    """PPO with a critic on the tiny task, from tiny_sft's checkpoint: the critic starts from the same
+    weights with a fresh value head and learns alone for the first steps; GAE advantages per token."""
+    cfg = tiny_grpo()
+    cfg.algorithm.name = "ppo"
+    cfg.ppo = PPOConfig(critic_lr=1e-3, critic_warmup_steps=2)
+    return cfg
 
 
 @register
@@ -223,6 +233,16 @@ def tiny_teacher() -> Config:
 
 
 @register
+def tiny_bpe_teacher() -> Config:
+    """A teacher with another tokenizer, for tiny_xtoken: tiny_sft's model shape trained from scratch on clean
+    demonstrations, tokenized by a 64-token byte-level BPE trained on the task's own training split (it
+    merges digits, so '46' may be one token)."""
+    cfg = tiny_sft()
+    cfg.data.tokenizer, cfg.data.noise = "bpe", 0.0
+    return cfg
+
+
+@register
 def tiny_distill() -> Config:
     """On-policy distillation of tiny_teacher into tiny_sft's model (run both first): the student samples
     4 answers to each of 32 prompts per step and learns the teacher's next-token distribution on them
@@ -233,6 +253,16 @@ def tiny_distill() -> Config:
     cfg.distill = DistillConfig(teacher="runs/tiny_teacher", topk=8)
     cfg.optimizer.lr, cfg.optimizer.min_lr = 1e-3, 1e-4
     cfg.train.max_steps = 100
+    return cfg
+
+
+@register
+def tiny_xtoken() -> Config:
+    """Cross-tokenizer on-policy distillation of tiny_bpe_teacher (a 64-token BPE) into tiny_sft's character
+    model (run both first): both tokenize each sampled answer, tokens are grouped into chunks ending where
+    both have a boundary, and the student matches the teacher's likelihood of each chunk (ALM)."""
+    cfg = tiny_distill()
+    cfg.distill = DistillConfig(teacher="runs/tiny_bpe_teacher", cross_tokenizer=True)
     return cfg
 
 

@@ -146,7 +146,7 @@ CASES = {
     "not a choice": (lambda f: ["--recipe", "tiny_sft", "checkpoint.resume=maybe"], "checkpoint.resume"),
     "negative steps": (lambda f: ["--recipe", "tiny_sft", "checkpoint.save_every=-1"], "must be >= 0"),
     "unknown task": (lambda f: ["--recipe", "tiny_sft", "data.task=poetry"], "unknown data.task"),
-    "unknown algorithm": (lambda f: ["--recipe", "tiny_sft", "algorithm.name=ppo"], "algorithm.name"),
+    "unknown algorithm": (lambda f: ["--recipe", "tiny_sft", "algorithm.name=trpo"], "algorithm.name"),
     "unknown optimizer": (lambda f: ["--recipe", "tiny_sft", "optimizer.name=lion"], "optimizer.name"),
     # data files
     "no such data file": (lambda f: _sft(f, "good", f"data.train_path={f['dir']}/nope.jsonl"), "does not exist"),
@@ -203,6 +203,13 @@ CASES = {
     "distill top-k above the vocabulary": (lambda f: [*_distill(f), "distill.topk=99"], "exceeds the vocabulary"),
     "teacher missing": (lambda f: [*_distill(f), f"distill.teacher={f['dir']}/nope"], "does not exist"),
     "teacher of another tokenizer": (lambda f: [*_distill(f), f"distill.teacher={f['hf']}"], "another tokenizer"),
+    "cross-tokenizer with several teachers": (lambda f: ["--recipe", "tiny_mopd", *QUIET, "distill.cross_tokenizer=true"],
+                                              "distill.cross_tokenizer=true takes one teacher"),
+    # PPO
+    "critic of another architecture": (lambda f: ["--recipe", "tiny_ppo", *QUIET, f"checkpoint.load={f['ckpt']}",
+                                                  f"ppo.critic={f['hf']}"], "holds a model of another architecture than the policy"),
+    "critic missing": (lambda f: ["--recipe", "tiny_ppo", *QUIET, f"checkpoint.load={f['ckpt']}",
+                                  f"ppo.critic={f['dir']}/nope"], "ppo.critic="),
     "row naming a teacher not given": (lambda f: ["--recipe", "tiny_mopd", *QUIET, f"distill.teachers=add:{f['ckpt']}"],
                                        "names teacher 'sub', which distill.teachers does not have (add)"),
     "unknown arithmetic operation": (lambda f: ["--recipe", "tiny_sft", "data.ops=*"], "data.ops='*' must be"),

@@ -217,3 +217,100 @@ def test_mopd_against_itself_has_no_gap(tmp_path):
     last = metrics(tmp_path / "mopd")[-1]
     assert abs(last["distill/teacher_student_logprob_gap_mean"]) < 1e-6
     assert {"val/accuracy_add", "val/accuracy_sub", "train/loss", "train/grad_norm"} <= set(last)
+
+
+# Cross-tokenizer distillation
+
+def _tokenizers(tmp_path):
+    from megatron_rl.data.tokenizer import build_bpe_tokenizer, build_char_tokenizer
+
+    texts = ["12+34=46", "héllo 日本語", "日本", "wörld 12"] * 20
+    return (build_char_tokenizer("0123456789+=héllo 日本語wörd", tmp_path / "char"),
+            build_bpe_tokenizer(texts, 60, tmp_path / "bpe"), build_bpe_tokenizer(texts, 0, tmp_path / "bytes"))
+
+
+@pytest.mark.parametrize("text, char_chunks, other, other_tokens, other_chunks", [
+    ("12+34=46", [0, 0, 1, 2, 2, 3, 4, 4], "bpe", ["12", "+", "34", "=", "46"], [0, 1, 2, 3, 4]),
+    ("héllo 日本", [0, 0, 0, 0, 0, 1, 1, 1], "bpe", ["hÃ©llo", "ĠæĹ¥æľ¬"], [0, 1]),
+    ("日本語", [0, 0, 1], "bpe", ["æĹ¥æľ¬", "èªŀ"], [0, 1]),
+    # bytes only: each character of 3 bytes is 3 tokens carrying the character's span; no boundary inside it
+    ("日本", [0, 1], "bytes", ["æ", "Ĺ", "¥", "æ", "ľ", "¬"], [0, 0, 0, 1, 1, 1]),
+], ids=["digits", "multibyte_words", "merged_characters", "split_characters"])
+def test_chunks_end_where_both_tokenizations_have_a_boundary(text, char_chunks, other, other_tokens, other_chunks,
+                                                             tmp_path):
+    """A character tokenizer against a byte-level BPE trained here (and one with no merges): exact chunks,
+    and each chunk is the same text on both sides."""
+    from megatron_rl.data.alignment import align, tokenize_with_offsets
+
+    char, bpe, byte = _tokenizers(tmp_path)
+    other_tok = {"bpe": bpe, "bytes": byte}[other]
+    c_ids, c_off = tokenize_with_offsets(char, text)
+    o_ids, o_off = tokenize_with_offsets(other_tok, text)
+    assert other_tok.convert_ids_to_tokens(o_ids) == other_tokens
+    a, b, n = align(c_off, o_off)
+    assert (a, b, n) == (char_chunks, other_chunks, max(other_chunks) + 1)
+    for j in range(n):
+        assert char.decode([i for i, c in zip(c_ids, a) if c == j]) == other_tok.decode([i for i, c in zip(o_ids, b) if c == j])
+
+
+def test_cross_batches_place_chunks_at_the_labels(tmp_path):
+    """Each side's chunk sits where its label is the chunk's token; an ended sample's eos is a chunk of its
+    own; the teacher's prompt is its own tokens of the prompt text."""
+    from megatron_rl.data.alignment import chunk_sums, cross_batches
+
+    char, bpe, _ = _tokenizers(tmp_path)
+    prompt = [char.bos_token_id, *char("12+34=", add_special_tokens=False)["input_ids"]]
+    s, t = cross_batches(["12+34="], ["46"], [True], [prompt], char, bpe, seq_length=12)
+    assert s["chunk"][0].tolist() == [-1] * 6 + [0, 0, 1] + [-1] * 3  # labels '4', '6', eos at positions 6-8
+    assert s["loss_mask"][0].tolist() == [0] * 6 + [1] * 3 + [0] * 3
+    assert bpe.convert_ids_to_tokens(t["tokens"][0, :5].tolist()) == ["<bos>", "12", "+", "34", "="]
+    assert t["chunk"][0, :7].tolist() == [-1, -1, -1, -1, 0, 1, -1] and t["tokens"].shape[1] == 16
+    assert s["chunk_valid"][0].tolist() == [1, 1] + [0] * 11
+    assert chunk_sums(torch.arange(12.0)[None], s["chunk"], 13)[0, :3].tolist() == [6 + 7, 8, 0]
+    s, _ = cross_batches(["12+34="], ["46"], [False], [prompt], char, bpe, seq_length=12)  # truncated: no eos chunk
+    assert s["chunk"][0, 6:9].tolist() == [0, 0, -1] and s["chunk_valid"][0, :2].tolist() == [1, 0]
+
+
+def test_chunk_likelihood_loss_and_gradient_by_hand():
+    """Binary KL between Bernoulli(exp(t / T)) and Bernoulli(exp(s / T)), and its gradient in s:
+    (p (1 - q) / (1 - p) - q) / T with p = exp(s / T), q = exp(t / T)."""
+    s = torch.tensor([-0.1, -2.0, -0.5, -3.0], dtype=torch.float64, requires_grad=True)
+    t = torch.tensor([-0.1, -0.2, -4.0, -1.0], dtype=torch.float64)
+    for temp in (1.0, 2.0):
+        loss = losses.chunk_likelihood_loss(s, t, temp)
+        p, q = (s.detach() / temp).exp(), (t / temp).exp()
+        expected = q * torch.log(q / p) + (1 - q) * torch.log((1 - q) / (1 - p))
+        assert loss.tolist() == pytest.approx(expected.tolist(), abs=1e-12) and loss[0].item() == pytest.approx(0)
+        (grad,) = torch.autograd.grad(loss.sum(), s)
+        assert grad.tolist() == pytest.approx(((p * (1 - q) / (1 - p) - q) / temp).tolist(), rel=1e-9)
+
+
+@pytest.fixture(scope="module")
+def bpe_teacher(tmp_path_factory):
+    """tiny_bpe_teacher after 2 steps: a language model with another tokenizer (its skill does not matter here)."""
+    run = tmp_path_factory.mktemp("bpe_teacher")
+    run_train(["--recipe", "tiny_bpe_teacher", *QUICK[:3], "train.max_steps=2", "data.num_train=2000",
+               "data.num_val=16", f"logging.run_dir={run}"])
+    return run
+
+
+@pytest.fixture(scope="module")
+def xtoken_single(sft_checkpoint, bpe_teacher, tmp_path_factory):
+    run = tmp_path_factory.mktemp("xtoken_single")
+    _xtoken(sft_checkpoint, bpe_teacher, run)
+    return run
+
+
+def _xtoken(sft_checkpoint, teacher, run_dir, *extra, nproc=1):
+    run_train(["--recipe", "tiny_xtoken", *QUICK, "train.max_steps=2", f"checkpoint.load={sft_checkpoint}",
+               f"distill.teacher={teacher}", "rollout.top_k=1", *extra, f"logging.run_dir={run_dir}"], nproc=nproc)
+
+
+@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.cp=2"]], ids=["tp2", "cp2"])
+def test_xtoken_layouts_match_single_process(layout, xtoken_single, sft_checkpoint, bpe_teacher, tmp_path):
+    """The same chunks, teacher likelihoods, loss and gradient norm at TP2 (vocabulary-parallel log-probs
+    in both models) and CP2 (a chunk's tokens on two ranks, summed straight through)."""
+    _xtoken(sft_checkpoint, bpe_teacher, tmp_path, *layout, nproc=processes(layout))
+    for key in ("train/loss", "train/grad_norm", "distill/chunk_logp_gap_mean"):
+        assert column(tmp_path, key) == pytest.approx(column(xtoken_single, key), rel=1e-5), key
+    assert column(xtoken_single, "train/loss")[0] > 0

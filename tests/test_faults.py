@@ -412,14 +412,17 @@ def test_every_grpo_family_switch_resumes_bitwise(tmp_path):
     """A stop after step 2 and checkpoint.resume=true give every later step of the uninterrupted run,
     bitwise (all metrics but timings), for each GRPO-family recipe: GSPO, Dr. GRPO, CISPO, GDPO,
     importance-sampling correction, a KL penalty against the reference (which starts from a checkpoint:
-    the reference is its weights), MoE router replay, REINFORCE++ (its KL in the reward), and on-policy distillation (from a teacher)."""
+    the reference is its weights), MoE router replay, REINFORCE++ (its KL in the reward), on-policy distillation (from a teacher), and PPO (its critic
+    saved beside the policy and resumed with it)."""
     init = tmp_path / "init"
     variants = {"gspo": ["--recipe", "tiny_gspo"], "drgrpo": ["--recipe", "tiny_drgrpo"],
                 "cispo": ["--recipe", "tiny_cispo"], "gdpo": ["--recipe", "tiny_gdpo"],
                 "is": ["--recipe", "tiny_grpo_is"], "moe": ["--recipe", "tiny_moe_grpo"],
                 "kl": ["--recipe", "tiny_grpo", "algorithm.kl_coef=0.05", f"checkpoint.load={init}"],
                 "reinforce_pp": ["--recipe", "tiny_reinforce_pp", f"checkpoint.load={init}"],
-                "distill": ["--recipe", "tiny_distill", f"checkpoint.load={init}", f"distill.teacher={init}"]}
+                "distill": ["--recipe", "tiny_distill", f"checkpoint.load={init}", f"distill.teacher={init}"],
+                "ppo": ["--recipe", "tiny_ppo", f"checkpoint.load={init}", "algorithm.kl_coef=0.05",
+                        "ppo.critic_warmup_steps=1"]}
     runs = [["--recipe", "tiny_sft", *FAST, "train.max_steps=1", f"logging.run_dir={init}"]]
     for name, recipe in variants.items():
         run = [*recipe[:2], *GRPO_QUICK, *recipe[2:], "train.max_steps=4", "checkpoint.save_every=2"]

@@ -19,6 +19,7 @@ VARIANTS = {  # recipe -> a metric only that variant logs (None: none)
     "tiny_grpo_is": "train/mismatch_masked_frac",
     "tiny_rloo": None,
     "tiny_reinforce_pp": None,
+    "tiny_ppo": "train/explained_variance",
 }
 
 
@@ -49,6 +50,8 @@ def test_variant_recipe_learns(recipe, sft_run, tmp_path):
     (["algorithm.advantage_estimator=reinforce_pp", "algorithm.baseline=loo"], "leave algorithm.baseline=mean"),
     (["algorithm.advantage_estimator=reinforce_pp", "algorithm.ratio_level=sequence",
       "algorithm.loss_aggregation=sequence"], "gives each token its own advantage"),
+    (["algorithm.name=ppo", "algorithm.advantage_estimator=rloo"], "takes its per-token advantages from the critic"),
+    (["algorithm.name=ppo", "ppo.lam=1.5"], "ppo.lam=1.5 must be in [0, 1]"),
     (["rewards.overlong_buffer=5"], "rewards.overlong_buffer=5 must be in [0, rollout.max_new_tokens=5)"),
     (["rewards.weights=correct"], "write name:number pairs"),
 ])

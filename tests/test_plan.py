@@ -68,3 +68,29 @@ def test_planner_chooses_bf16_optimizer_state_offload_or_a_larger_layout():
     assert r["tp4"]["overrides"] == ["optimizer.state_dtype=fp32", "optimizer.cpu_offload=1"]
     assert r["tp4"]["host"] == 16 * r["tp4"]["params"] / 1e9
     assert r["tp2"]["overrides"][0] == "parallel.tp=4" and r["tp2"]["world_size"] == 4
+
+
+OTHERS = """
+import json
+from megatron_rl.config import apply_overrides
+from megatron_rl.plan import optimizer_bytes_per_param, plan
+from recipes import get_recipe
+
+cfg = apply_overrides(get_recipe("tiny_ppo"), ["model.vocab_size=16", "algorithm.kl_coef=0.1"])
+p = plan(cfg, 1, "h100")
+print(json.dumps(dict(params=p.stages[0].params, others=p.stages[0].others, names=p.others,
+                      state=optimizer_bytes_per_param(cfg)[0])))
+"""
+
+
+def test_planner_counts_the_critic_with_its_optimizer_and_the_reference():
+    """tiny_ppo with a KL penalty: beside the policy, the critic (the policy's layers and embedding, a
+    (hidden -> 1) head instead of the 128-row padded output layer) with bf16 weights, fp32 gradients and
+    Adam state, and the reference's bf16 weights."""
+    proc = subprocess.run([sys.executable, "-c", OTHERS], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={"PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    critic = r["params"] - 128 * 128 + 128
+    assert r["names"] == ["critic", "reference"]
+    assert r["others"] == critic * (2 + 4 + r["state"]) + r["params"] * 2

@@ -2,7 +2,7 @@
 
 import importlib
 
-ALGORITHMS = {name: f"megatron_rl.algorithms.{name}" for name in ("sft", "grpo", "dpo", "rm", "distill")}
+ALGORITHMS = {name: f"megatron_rl.algorithms.{name}" for name in ("sft", "grpo", "dpo", "rm", "distill", "ppo")}
 
 
 def get_algorithm(name: str):

@@ -13,9 +13,13 @@ advantage is stop-gradient(log p_teacher - log p_student) of the sampled token (
 rollout), and the student takes the GRPO loop's policy-loss step on it (a sampled estimate of the
 reverse KL to its teacher; clipping and mismatch correction as algorithm.* say).
 
-Left out here: teachers with another tokenizer.
+With distill.cross_tokenizer the teacher has another tokenizer: each sample's response text is
+tokenized by both, the tokens are grouped into chunks that end where both have a boundary
+(data/alignment.py), and the student learns to match the teacher's log-likelihood of each chunk
+(approximate likelihood matching: losses.chunk_likelihood_loss), a mean over the global batch's chunks.
 """
 
+import math
 import time
 from functools import partial
 from pathlib import Path
@@ -25,21 +29,23 @@ import torch
 from megatron_rl import losses
 from megatron_rl.config import Config, ConfigError
 from megatron_rl.data import rl as rl_data
+from megatron_rl.data.alignment import chunk_sums
 from megatron_rl.data.sft import Batches
 from megatron_rl.rewards import build_scorer
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.evaluate import greedy_eval
-from megatron_rl.training.logprobs import logprobs_at, mask_padded_vocab, vocab_topk
+from megatron_rl.training.logprobs import logprobs_at, mask_padded_vocab, token_logprobs, vocab_topk
 from megatron_rl.training.loop import due, finish, save_if_due, schedule_metrics, start_log, train_step
 from megatron_rl.training.setup import build_trainee, compute_dtype, load_initial_state, write_run_assets
-from megatron_rl.training.step import cp_sum, forward_only, global_mean, make_microbatches, put_tokens
+from megatron_rl.training.step import (cp_sum, cp_sum_straight_through, first_cp_rank, forward_only, global_mean,
+                                       make_microbatches, put_tokens)
 
 from .grpo import logprobs_of, train_on, trains_the_old_policy
 
 
 def build_teacher(cfg: Config, tokenizer, path: str, key: str = "distill.teacher"):
-    """The frozen teacher at `path` (the setting `key` names it), after checking that it is a language
-    model with the student's tokenizer."""
+    """The frozen teacher at `path` (the setting `key` names it; training/frozen.Frozen), after checking
+    that it is a language model with the student's tokenizer (any tokenizer with distill.cross_tokenizer)."""
     from megatron_rl.data.tokenizer import load_tokenizer, tokenizer_difference
     from megatron_rl.training.frozen import load_frozen
 
@@ -51,12 +57,12 @@ def build_teacher(cfg: Config, tokenizer, path: str, key: str = "distill.teacher
         if model.head != "lm":
             raise ConfigError(f"{key}={path!r} is a reward model; a teacher is a language model.")
         difference = tokenizer_difference(tokenizer, load_tokenizer(tokenizer_dir))
-        if difference:
+        if difference and not cfg.distill.cross_tokenizer:
             raise ConfigError(f"{key}={path!r} has another tokenizer than the student ({difference}); this "
-                              "distillation compares the two models token by token and needs one tokenizer "
-                              "(cross-tokenizer distillation is not built yet).")
+                              "distillation compares the two models token by token: set distill.cross_tokenizer=true "
+                              "to align them on the text instead.")
 
-    return load_frozen(cfg, path, check=check).chunks
+    return load_frozen(cfg, path, check=check)
 
 
 def build_teachers(cfg: Config, tokenizer, train_meta: list[dict]) -> dict[str, list]:
@@ -64,14 +70,15 @@ def build_teachers(cfg: Config, tokenizer, train_meta: list[dict]) -> dict[str, 
     distill.teacher under the name '' (after checking that distill.topk fits the vocabulary)."""
     d = cfg.distill
     if not d.teachers:
-        if d.topk > len(tokenizer):
+        if d.topk > len(tokenizer) and not d.cross_tokenizer:
             raise ConfigError(f"distill.topk={d.topk} exceeds the vocabulary ({len(tokenizer)} tokens); lower it.")
-        return {"": build_teacher(cfg, tokenizer, d.teacher)}
+        return {"": build_teacher(cfg, tokenizer, d.teacher).chunks}
     for i, meta in enumerate(train_meta):
         if meta.get("teacher") not in d.teachers:
             raise ConfigError(f"training row {i + 1} names teacher {meta.get('teacher')!r}, which distill.teachers does "
                               f"not have ({', '.join(sorted(d.teachers))}); give every row a 'teacher' among them.")
-    return {name: build_teacher(cfg, tokenizer, path, f"distill.teachers {name}") for name, path in d.teachers.items()}
+    return {name: build_teacher(cfg, tokenizer, path, f"distill.teachers {name}").chunks
+            for name, path in d.teachers.items()}
 
 
 def teacher_advantages(teachers: dict[str, list], names: list[str], batch: dict, cfg: Config, vocab: int) -> torch.Tensor:
@@ -121,12 +128,59 @@ def distill_loss(cfg: Config, vocab: int, batch: dict, logits: torch.Tensor):
     return num, mask.sum().int(), {"loss_num": num.detach(), "tokens": mask.sum(), "topk_mass": mass}
 
 
+def xtoken_loss(cfg: Config, vocab: int, batch: dict, logits: torch.Tensor):
+    """Cross-tokenizer: (the ALM loss summed over the microbatch's chunks, their count, report). Each
+    chunk's student log-likelihood is the sum of its tokens' log-probs; under context parallelism it is
+    summed over the group straight through (every rank sees whole chunks, each rank's gradient reaches
+    its own tokens), and the chunks count once per group."""
+    mask, width = batch["loss_mask"], batch["chunk_valid"].shape[1]
+    logp = token_logprobs(mask_padded_vocab(logits, vocab), batch["labels"]) * mask
+    student = cp_sum_straight_through(chunk_sums(logp, batch["chunk"], width))
+    valid = batch["chunk_valid"]
+    loss = losses.chunk_likelihood_loss(student, batch["teacher_chunk_logp"], cfg.distill.chunk_temperature) * valid
+    once = float(first_cp_rank())
+    gap = losses.masked_sum((student - batch["teacher_chunk_logp"]).detach(), valid)
+    return loss.sum(), (valid.sum() * once).int(), {"loss_num": loss.sum().detach() * once, "tokens": valid.sum() * once,
+                                                    "gap": gap * once}
+
+
+class CrossTokenizer:
+    """The student's batch in its tokens and the teacher's chunk log-likelihoods, per step."""
+
+    def __init__(self, cfg: Config, tokenizer, teacher):
+        from megatron_rl.data.tokenizer import load_tokenizer
+
+        self.cfg, self.tokenizer, self.teacher = cfg, tokenizer, teacher
+        self.teacher_tokenizer = load_tokenizer(teacher.tokenizer_dir)
+        self.teacher_vocab = min(len(self.teacher_tokenizer), teacher.model.vocab_size)
+        p = cfg.parallel
+        self.multiple = math.lcm(16, (2 * p.cp if p.cp > 1 else 1) * (p.tp if p.sp else 1))
+
+    def batch(self, rollout) -> dict:
+        from megatron_rl.data.alignment import cross_batches
+        from megatron_rl.rollout.evaluate import decode
+
+        eos = self.tokenizer.eos_token_id
+        ended = [bool(c) and c[-1] == eos for c in rollout.completions]
+        responses = decode(self.tokenizer, rollout.completions)
+        student, teacher = cross_batches(decode(self.tokenizer, rollout.prompts), responses, ended, rollout.prompts,
+                                         self.tokenizer, self.teacher_tokenizer, self.cfg.data.seq_length,
+                                         self.multiple)
+        teacher["index"] = torch.arange(len(responses))
+        logp = logprobs_of(self.teacher.chunks, teacher, self.cfg, vocab=self.teacher_vocab)
+        width = student["chunk_valid"].shape[1]
+        student["teacher_chunk_logp"] = chunk_sums(logp * teacher["loss_mask"], teacher["chunk"], width)
+        return student
+
+
 def run(cfg: Config, run_dir: Path) -> dict:
     from megatron.core import parallel_state as ps
 
     a, r = cfg.algorithm, cfg.rollout
     tokenizer, (train_prompts, train_meta), (val_prompts, val_meta) = rl_data.prompt_splits(cfg, run_dir)
-    teachers = build_teachers(cfg, tokenizer, train_meta)
+    cross = CrossTokenizer(cfg, tokenizer, build_teacher(cfg, tokenizer, cfg.distill.teacher)) \
+        if cfg.distill.cross_tokenizer else None
+    teachers = build_teachers(cfg, tokenizer, train_meta) if cross is None else {}
     trainee = build_trainee(cfg)
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     stream = Batches({"index": torch.arange(len(train_prompts))}, a.prompts_per_step, cfg.data.seed, dp_rank, dp)
@@ -138,7 +192,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
     engine = RolloutEngine(trainee.model, cfg.model, tokenizer, r, compute_dtype(cfg))
     val_scorer = build_scorer(cfg, cfg.rewards.val_fn or cfg.rewards.fn, tokenizer) if val_prompts else None
     vocab = vocabulary(cfg, tokenizer)
-    loss_fn = partial(distill_loss, cfg, vocab)
+    loss_fn = partial(xtoken_loss if cross else distill_loss, cfg, vocab)
     log, prof = start_log(cfg, run_dir, step, latest)
     if step == 0 and val_prompts:  # the starting point, logged as step 0
         log.log(0, greedy_eval(engine, val_scorer, tokenizer, val_prompts, val_meta))
@@ -155,16 +209,19 @@ def run(cfg: Config, run_dir: Path) -> dict:
 
         t0 = time.perf_counter()
         with prof.range("teacher"):
-            batch = rl_data.pack(rollout.prompts, rollout.completions, cfg.data.seq_length, tokenizer.pad_token_id,
-                                 rollout_logp=rollout.logprobs)
-            batch["index"] = torch.arange(len(rollout.completions))
-            if cfg.distill.teachers:
-                names = [train_meta[i]["teacher"] for i in index for _ in range(r.n)]
-                batch["advantages"] = teacher_advantages(teachers, names, batch, cfg, vocab)
-                if not trains_the_old_policy(a):
-                    batch["old_logp"] = logprobs_of(trainee.model, batch, cfg)
+            if cross is not None:
+                batch = cross.batch(rollout)
             else:
-                batch["topk_ids"], batch["topk_logp"] = teacher_topk(teachers[""], batch, cfg, vocab)
+                batch = rl_data.pack(rollout.prompts, rollout.completions, cfg.data.seq_length, tokenizer.pad_token_id,
+                                     rollout_logp=rollout.logprobs)
+                batch["index"] = torch.arange(len(rollout.completions))
+                if cfg.distill.teachers:
+                    names = [train_meta[i]["teacher"] for i in index for _ in range(r.n)]
+                    batch["advantages"] = teacher_advantages(teachers, names, batch, cfg, vocab)
+                    if not trains_the_old_policy(a):
+                        batch["old_logp"] = logprobs_of(trainee.model, batch, cfg)
+                else:
+                    batch["topk_ids"], batch["topk_logp"] = teacher_topk(teachers[""], batch, cfg, vocab)
         times["perf/time_teacher_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -175,12 +232,16 @@ def run(cfg: Config, run_dir: Path) -> dict:
                                   batch["loss_mask"].sum().item())
                 train_metrics.update(gap)
             else:
-                keys = ("tokens", "labels", "loss_mask", "topk_ids", "topk_logp")
+                keys = ("tokens", "labels", "loss_mask",
+                        *(("chunk", "chunk_valid", "teacher_chunk_logp") if cross else ("topk_ids", "topk_logp")))
                 micro = make_microbatches(cfg, {k: batch[k] for k in keys}, cfg.data.micro_batch_size)
                 report, grad_norm = train_step(trainee, micro, loss_fn)
-                tokens = max(report.get("tokens", 0.0), 1.0)
-                train_metrics = {"train/loss": report.get("loss_num", 0.0) / tokens, "train/grad_norm": grad_norm,
-                                 "train/student_topk_mass": report.get("topk_mass", 0.0) / tokens}
+                tokens = max(report.get("tokens", 0.0), 1.0)  # (chunks, cross-tokenizer)
+                train_metrics = {"train/loss": report.get("loss_num", 0.0) / tokens, "train/grad_norm": grad_norm}
+                if cross:
+                    train_metrics["distill/chunk_logp_gap_mean"] = report.get("gap", 0.0) / tokens
+                else:
+                    train_metrics["train/student_topk_mass"] = report.get("topk_mass", 0.0) / tokens
         times["perf/time_train_s"] = time.perf_counter() - t0
         step += 1
 

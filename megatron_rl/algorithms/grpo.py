@@ -10,7 +10,7 @@ surrogate per token (clip-higher, dual clip) or per sequence (GSPO), or CISPO; o
 by p_train / p_rollout (mismatch correction). Its aggregation (token, sequence, constant) is a
 numerator and a denominator summed over the global batch, which megatron divides.
 
-Left out here: value models (PPO with a critic), multi-turn environments.
+PPO with a critic is this loop with algorithms/ppo.py's Critic. Left out here: multi-turn environments.
 """
 
 import time
@@ -66,7 +66,7 @@ def grpo_loss(cfg: Config, batch: dict, logits: torch.Tensor, record=None):
     report = {"clipped": losses.masked_sum(clipped.float(), mask).detach()}
     if a.kl_coef:
         kl = losses.kl_penalty(logp, batch["ref_logp"], a.kl_estimator)
-        if a.advantage_estimator != "reinforce_pp":  # there the KL is in the reward
+        if not kl_in_reward(a):
             loss = loss + a.kl_coef * kl
         report["kl_sum"] = losses.masked_sum(kl, mask).detach()
     if a.mismatch_correction != "none":
@@ -231,7 +231,9 @@ def advantages_of(cfg: Config, scored: Scored, batch: dict | None = None) -> tor
     return losses.group_advantages(scored.rewards, n, a.baseline, a.std_normalization, reduce=dp_sum)
 
 
-def run(cfg: Config, run_dir: Path) -> dict:
+def run(cfg: Config, run_dir: Path, critic_class=None) -> dict:
+    """The loop; critic_class (PPO's, algorithms/ppo.py) adds a learned critic: it gives the per-token
+    advantages, learns before the policy each step, and is saved before it."""
     from megatron.core import parallel_state as ps
 
     a, r = cfg.algorithm, cfg.rollout
@@ -250,6 +252,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
     if state:
         stream.load_state_dict(state["extra"]["data"])
     reference = build_reference(cfg, trainee, resumed=latest is not None) if a.kl_coef else None
+    critic = critic_class(cfg, run_dir, step if state else None) if critic_class else None
     engine = RolloutEngine(trainee.model, cfg.model, tokenizer, r, compute_dtype(cfg))
     tape = ref_tape = None
     if cfg.model.num_experts:  # MoE: record the rollout's routing; replay it or measure the mismatch
@@ -271,7 +274,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
         with prof.range("rollout"):
             scored, sampling_stats = sample(cfg, step, engine, runner, tokenizer, next_prompts, dp_rank, tape)
             rollout, rewards = scored.rollout, scored.raw
-            per_token = a.advantage_estimator == "reinforce_pp"  # after the reference's logprobs
+            per_token = a.advantage_estimator == "reinforce_pp" or critic  # after the reference's logprobs
             advantages = None if per_token else advantages_of(cfg, scored)
         times["perf/time_rollout_s"] = time.perf_counter() - t0
 
@@ -289,14 +292,16 @@ def run(cfg: Config, run_dir: Path) -> dict:
             if reference is not None:
                 batch["ref_logp"] = logprobs_of(reference, batch, cfg, ref_tape, a.router_replay)
             if per_token:
-                batch["advantages"] = advantages_of(cfg, scored, batch)
+                batch["advantages"] = critic.advantages(scored, batch) if critic else advantages_of(cfg, scored, batch)
         times["perf/time_logprob_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         with prof.range("train"):
-            train_metrics = train_on(trainee, cfg, batch, tape)
+            train_metrics = critic.train(batch) if critic else {}
+            if not (critic and critic.warming_up(step)):
+                train_metrics.update(train_on(trainee, cfg, batch, tape))
         times["perf/time_train_s"] = time.perf_counter() - t0
-        mismatch = mismatch_stats(batch)
+        mismatch = mismatch_stats(batch) if "old_logp" in batch else {}
         step += 1
 
         n_local = len(rewards)
@@ -320,7 +325,8 @@ def run(cfg: Config, run_dir: Path) -> dict:
             with prof.range("eval"):
                 metrics.update(greedy_eval(engine, val_scorer, tokenizer, val_prompts, val_meta))
         log.log(step, metrics)
-        if save_if_due(cfg, trainee, run_dir, step, is_last, stream.state_dict(), assets, log):
+        if save_if_due(cfg, trainee, run_dir, step, is_last, stream.state_dict(), assets, log,
+                       before=critic.save if critic else None):
             break
     runner.close()
     val_scorer.close()
@@ -363,6 +369,34 @@ def trains_the_old_policy(a) -> bool:
     return a.minibatches == 1 and a.epochs == 1
 
 
+def passes(trainee, cfg: Config, batch: dict, loss_fn, tape=None) -> tuple[dict, list[float]]:
+    """algorithm.epochs passes of algorithm.minibatches optimizer steps of `trainee` over this rank's
+    batch: (the reports summed over all steps, each step's grad norm)."""
+    a = cfg.algorithm
+    n = len(batch["tokens"])
+    per_minibatch = n // a.minibatches
+    sums, grad_norms = {}, []
+    order = torch.arange(n)
+    for epoch in range(a.epochs):
+        if epoch:  # reshuffle samples between epochs, the same way on every rank of a DP replica
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(epoch))
+        for m in range(a.minibatches):
+            idx = order[m * per_minibatch : (m + 1) * per_minibatch]
+            micro = make_microbatches(cfg, {k: v[idx] for k, v in batch.items()}, cfg.data.micro_batch_size)
+            with routes_queued(tape, micro, a.router_replay):
+                report, grad_norm = train_step(trainee, micro, loss_fn)
+            grad_norms.append(grad_norm)
+            for k, v in report.items():
+                sums[k] = sums.get(k, 0.0) + v
+    return sums, grad_norms
+
+
+def kl_in_reward(a) -> bool:
+    """Whether the KL to the reference is part of each token's reward (REINFORCE++, PPO) instead of a
+    loss term."""
+    return a.advantage_estimator == "reinforce_pp" or a.name == "ppo"
+
+
 def train_on(trainee, cfg: Config, batch: dict, tape=None) -> dict:
     """algorithm.epochs passes of algorithm.minibatches optimizer steps over this rank's batch.
 
@@ -370,8 +404,6 @@ def train_on(trainee, cfg: Config, batch: dict, tape=None) -> dict:
     logprobs, detached, as the old ones (ratio 1, the full gradient; nothing is clipped), and they
     are written into batch["old_logp"] for the rollout mismatch metrics."""
     a = cfg.algorithm
-    n = len(batch["tokens"])
-    per_minibatch = n // a.minibatches
     record, seen = None, None
     if "old_logp" not in batch:
         seen = torch.zeros_like(batch["loss_mask"])
@@ -383,19 +415,7 @@ def train_on(trainee, cfg: Config, batch: dict, tape=None) -> dict:
     keys = ["tokens", "labels", "loss_mask", "advantages", *(["old_logp"] if seen is None else ["index"]),
             *(["ref_logp"] if a.kl_coef else []),
             *(["rollout_logp"] if a.mismatch_correction != "none" else []), *(["routes", "fed"] if tape is not None else [])]
-    sums, grad_norms = {}, []
-    order = torch.arange(n)
-    for epoch in range(a.epochs):
-        if epoch:  # reshuffle samples between epochs, the same way on every rank of a DP replica
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(epoch))
-        for m in range(a.minibatches):
-            idx = order[m * per_minibatch : (m + 1) * per_minibatch]
-            micro = make_microbatches(cfg, {k: batch[k][idx] for k in keys}, cfg.data.micro_batch_size)
-            with routes_queued(tape, micro, a.router_replay):
-                report, grad_norm = train_step(trainee, micro, loss_fn)
-            grad_norms.append(grad_norm)
-            for k, v in report.items():
-                sums[k] = sums.get(k, 0.0) + v
+    sums, grad_norms = passes(trainee, cfg, {k: batch[k] for k in keys}, loss_fn, tape)
     if seen is not None:
         batch["old_logp"] = cp_sum(seen)  # each context-parallel rank filled the positions it holds
     tokens = max(sums.get("tokens", 0.0), 1.0)

@@ -13,11 +13,12 @@ from .model import ModelConfig
 from .optimizer import OptimizerConfig, SchedulerConfig
 from .overrides import MOVED, all_keys, apply_overrides, from_dict
 from .parallel import ParallelConfig
+from .ppo import PPOConfig
 from .rollout import RewardsConfig, RolloutConfig
 from .run import CheckpointConfig, LoggingConfig, ProfilingConfig
 from .train import FP8Config, TrainConfig
 from .tree import Config
 
 __all__ = ["AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistillConfig", "FP8Config", "LoggingConfig",
-           "MOVED", "ModelConfig", "OptimizerConfig", "ParallelConfig", "ProfilingConfig", "RewardsConfig",
+           "MOVED", "ModelConfig", "OptimizerConfig", "ParallelConfig", "PPOConfig", "ProfilingConfig", "RewardsConfig",
            "RolloutConfig", "SchedulerConfig", "TrainConfig", "all_keys", "apply_overrides", "from_dict"]

@@ -9,7 +9,8 @@ from typing import Literal, Optional
 @dataclass(kw_only=True)
 class AlgorithmConfig:
     name: str = "sft"
-    """Which loop in megatron_rl/algorithms/ runs: sft, grpo, dpo or rm (reward model)."""
+    """Which loop in megatron_rl/algorithms/ runs: sft, grpo, dpo, rm (reward model), distill or ppo (with a
+    critic; the clip, epochs, minibatches, KL and mismatch settings below apply to it as to GRPO)."""
     early_stop_patience: int = 0
     """SFT: stop after this many evaluations without a better val/loss; 0 means never stop early."""
     prompts_per_step: int = 32

@@ -19,7 +19,9 @@ class DataConfig:
     """A malformed row (bad JSON or UTF-8, a missing or mistyped field, too long): fail names it and
     stops; skip drops it, and the log says how many rows were dropped and where the first few were."""
     tokenizer: str = ""
-    """A Hugging Face tokenizer directory; empty means model.hf_path's, else the task's own (built locally)."""
+    """A Hugging Face tokenizer directory; empty means model.hf_path's, else the task's own (built locally):
+    characters, or with 'bpe' (or 'bpe:N') a byte-level BPE of 64 (N) tokens trained on the task's training
+    split."""
     pad_token: str = ""
     """The tokenizer's pad token: empty keeps its own (eos when it has none), 'eos' pads with eos,
     anything else names a token. A reward model reads its score at the last token that is not the

@@ -25,6 +25,12 @@ class DistillConfig:
     mixed_kl_weight x forward + (1 - mixed_kl_weight) x reverse."""
     mixed_kl_weight: float = 0.5
     """The forward KL's weight in kl_type=mixed."""
+    cross_tokenizer: bool = False
+    """The teacher has another tokenizer: both tokenize the response text, tokens are grouped into chunks
+    ending where both have a boundary, and the student matches the teacher's likelihood of each chunk
+    (approximate likelihood matching, ALM); topk, kl_type and renormalize_student do not apply."""
+    chunk_temperature: float = 1.0
+    """Cross-tokenizer: chunk likelihoods are compared as exp(log-likelihood / chunk_temperature)."""
     renormalize_student: bool = False
     """Renormalize the student over the teacher's top-k as well (NeMo RL's default): blind to the student's
     mass outside the top-k. Off: the student's full-vocabulary log-probs, gathered at the top-k."""
@@ -36,5 +42,10 @@ class DistillConfig:
                               "not both).")
         if self.topk < 1:
             raise ConfigError(f"distill.topk={self.topk} must be at least 1 (64 is usual).")
+        if self.cross_tokenizer and self.teachers:
+            raise ConfigError("distill.cross_tokenizer=true takes one teacher (distill.teacher); several teachers "
+                              "(distill.teachers) must share the student's tokenizer.")
+        if self.chunk_temperature <= 0:
+            raise ConfigError(f"distill.chunk_temperature={self.chunk_temperature} must be positive (1 is usual).")
         if not 0 <= self.mixed_kl_weight <= 1:
             raise ConfigError(f"distill.mixed_kl_weight={self.mixed_kl_weight} must be in [0, 1].")

@@ -13,12 +13,13 @@ from .distill import DistillConfig
 from .model import ModelConfig
 from .optimizer import OptimizerConfig, SchedulerConfig
 from .parallel import ParallelConfig
+from .ppo import PPOConfig
 from .rollout import RewardsConfig, RolloutConfig
 from .run import CheckpointConfig, LoggingConfig, ProfilingConfig
 from .train import FP8Config, TrainConfig
 
 
-ON_POLICY = ("grpo", "distill")  # loops that roll out algorithm.prompts_per_step x rollout.n samples per step
+ON_POLICY = ("grpo", "distill", "ppo")  # loops that roll out algorithm.prompts_per_step x rollout.n samples per step
 
 
 @dataclass(kw_only=True)
@@ -33,6 +34,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     fp8: FP8Config = field(default_factory=FP8Config)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -56,6 +58,8 @@ class Config:
         self._validate_packing()
         if self.algorithm.name == "distill":
             self.distill.validate()
+        if self.algorithm.name == "ppo":
+            self._validate_ppo()
         if self.algorithm.name in ON_POLICY:
             self._validate_grpo(self.parallel.data_parallel_size(world_size))
         if self.algorithm.name == "dpo":
@@ -131,6 +135,13 @@ class Config:
             raise ConfigError(f"rewards.overlong_buffer={self.rewards.overlong_buffer} must be in [0, "
                               f"rollout.max_new_tokens={r.max_new_tokens}).")
 
+    def _validate_ppo(self):
+        self.ppo.validate()
+        a = self.algorithm
+        if a.advantage_estimator != "grpo" or a.ratio_level != "token":
+            raise ConfigError("algorithm.name=ppo takes its per-token advantages from the critic (GAE): leave "
+                              "algorithm.advantage_estimator and ratio_level unset.")
+
     def _validate_packing(self):
         budget, p = self.data.max_tokens_per_microbatch, self.parallel
         if not budget:
@@ -139,6 +150,9 @@ class Config:
             raise ConfigError("data.max_tokens_per_microbatch packs SFT, GRPO and DPO microbatches; reward models are "
                               "not packed yet: set it to 0 with algorithm.name=rm.")
         longest = -(-self.data.seq_length // 16) * 16 * (2 if self.algorithm.name == "dpo" else 1)
+        if self.algorithm.name == "distill" and self.distill.cross_tokenizer:
+            raise ConfigError("distill.cross_tokenizer=true builds its own batches of two tokenizations; set "
+                              "data.max_tokens_per_microbatch=0 with it.")
         if budget < longest or budget % (p.tp if p.sp else 1):
             raise ConfigError(f"data.max_tokens_per_microbatch={budget} must hold the longest sample ({longest} tokens: "
                               f"data.seq_length rounded up to 16{', twice for a DPO pair' if self.algorithm.name == 'dpo' else ''})"

@@ -1,15 +1,27 @@
 """Where a run's data comes from: a built-in synthetic task (generated into <run_dir>/data, with its
 own tokenizer) or the user's JSONL files; and which tokenizer encodes it."""
 
+import json
 from pathlib import Path
 
 import torch.distributed as dist
 
 from megatron_rl.config import Config, ConfigError
 
-from .tokenizer import build_char_tokenizer, load_tokenizer
+from .tokenizer import build_bpe_tokenizer, build_char_tokenizer, load_tokenizer
 
 TASKS = ("arithmetic",)
+
+
+def bpe_size(spec) -> int:
+    """data.tokenizer 'bpe' or 'bpe:N': the size of the task's own BPE tokenizer (64, or N: its specials,
+    characters and merges); 0 for anything else (a directory)."""
+    spec = str(spec)
+    if spec == "bpe":
+        return 64
+    if spec.startswith("bpe:") and spec[4:].isdigit():
+        return int(spec[4:])
+    return 0
 
 
 def data_files(cfg: Config, run_dir: Path):
@@ -28,8 +40,12 @@ def data_files(cfg: Config, run_dir: Path):
                                     cfg.data.noise, cfg.data.ops, cfg.data.train_ops)
             if not tok_path:
                 build_char_tokenizer(arithmetic.alphabet(cfg.data.ops), data_dir / "tokenizer")
+            elif bpe_size(tok_path):
+                rows = [json.loads(line) for line in (data_dir / "train.jsonl").read_text().splitlines()]
+                build_bpe_tokenizer([r["prompt"] + r["response"] for r in rows], bpe_size(tok_path),
+                                    data_dir / "tokenizer")
         train_path, val_path = data_dir / "train.jsonl", data_dir / "val.jsonl"
-        tok_path = tok_path or data_dir / "tokenizer"
+        tok_path = data_dir / "tokenizer" if not tok_path or bpe_size(tok_path) else tok_path
     dist.barrier()
     tokenizer = load_tokenizer(tok_path, cfg.data.pad_token)
     if cfg.data.task and cfg.algorithm.name in PREFERENCE_ALGORITHMS:

@@ -21,6 +21,24 @@ def build_char_tokenizer(alphabet: str, out_dir: str | Path):
     return hf
 
 
+def build_bpe_tokenizer(texts, vocab_size: int, out_dir: str | Path):
+    """A byte-level BPE tokenizer of at most `vocab_size` tokens trained on `texts` (the GPT-2 scheme, no
+    prefix space; its base alphabet only the bytes the texts use), with the character tokenizer's
+    special tokens, saved in HF format in out_dir."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+    hf.save_pretrained(str(out_dir))
+    return hf
+
+
 def load_tokenizer(path: str | Path, pad_token: str = ""):
     """An HF tokenizer; pad_token: '' keeps its own (eos when it has none), 'eos' pads with eos,
     else the named token."""

@@ -63,13 +63,17 @@ def validation_report(trainee, micro: list[dict], loss_fn) -> dict:
         trainee.train()
 
 
-def save_if_due(cfg: Config, trainee, run_dir: Path, step: int, last: bool, data_state: dict, assets, log) -> bool:
-    """Save a checkpoint every checkpoint.save_every steps and at the end (unless checkpoint.save=false).
-    Returns whether the run stops here: a preemption signal reached a rank, and it saved first."""
+def save_if_due(cfg: Config, trainee, run_dir: Path, step: int, last: bool, data_state: dict, assets, log,
+                before=None) -> bool:
+    """Save a checkpoint every checkpoint.save_every steps and at the end (unless checkpoint.save=false);
+    before(step) first saves what the checkpoint depends on (PPO's critic). Returns whether the run
+    stops here: a preemption signal reached a rank, and it saved first."""
     from megatron_rl import checkpointing, platform
 
     preempted = not last and platform.preemption_requested()
     if cfg.checkpoint.save and (preempted or due(step, cfg.checkpoint.save_every, last)):
+        if before is not None:
+            before(step)
         checkpointing.save(trainee, run_dir, step, {"data": data_state}, cfg.checkpoint.keep, model=cfg.model,
                            assets=assets, verify=cfg.checkpoint.verify)
     if preempted:
