@@ -352,7 +352,7 @@ def _require_complete(path: Path):
                                 "(checkpoint.resume passes over damaged ones).")
 
 
-def _architecture_diff(saved: dict, model) -> list[str]:
+def architecture_diff(saved: dict, model) -> list[str]:
     """'field=saved (yours: ours)' for each architecture field in which `saved` differs from `model`."""
     ours = dataclasses.asdict(model)
     return [f"{k}={saved[k]!r} (yours: {ours[k]!r})" for k in saved
@@ -374,7 +374,7 @@ def check_same_run(run_dir: str | Path, cfg):
     other = [f"{what}={theirs!r} (yours: {ours!r})" for what, theirs, ours in (
         ("recipe", saved.get("recipe"), cfg.recipe),
         ("algorithm.name", saved.get("algorithm", {}).get("name"), cfg.algorithm.name)) if theirs != ours]
-    other += [f"model.{d}" for d in _architecture_diff(saved.get("model", {}), cfg.model)]
+    other += [f"model.{d}" for d in architecture_diff(saved.get("model", {}), cfg.model)]
     if other:
         raise ConfigError(f"{run_dir} holds another run: {', '.join(other[:3])}; choose another logging.run_dir, or "
                           "delete that directory to start over.")
@@ -387,7 +387,7 @@ def check_model_matches(path: str | Path, model):
     saved = dist_checkpointing.load_common_state_dict(str(path)).get("model_config")
     if saved is None:
         return
-    diff = _architecture_diff(saved, model)
+    diff = architecture_diff(saved, model)
     if diff:
         raise ValueError(f"checkpoint {str(path)!r} holds a different model: model.{', model.'.join(diff[:4])}; "
                          f"set those model.* fields to match.")

@@ -235,10 +235,11 @@ def tiny_teacher() -> Config:
 @register
 def tiny_bpe_teacher() -> Config:
     """A teacher with another tokenizer, for tiny_xtoken: tiny_sft's model shape trained from scratch on clean
-    demonstrations, tokenized by a 64-token byte-level BPE trained on the task's own training split (it
-    merges digits, so '46' may be one token)."""
+    demonstrations, tokenized by a 20-token byte-level BPE trained on the task's own training split (its 5
+    merges are the most frequent digit pairs, 10 to 14, so '146' is '14' '6')."""
     cfg = tiny_sft()
-    cfg.data.tokenizer, cfg.data.noise = "bpe", 0.0
+    cfg.data.tokenizer, cfg.data.noise = "bpe:20", 0.0
+    cfg.train.max_steps, cfg.train.eval_every = 3000, 500
     return cfg
 
 

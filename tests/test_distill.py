@@ -297,20 +297,33 @@ def bpe_teacher(tmp_path_factory):
 @pytest.fixture(scope="module")
 def xtoken_single(sft_checkpoint, bpe_teacher, tmp_path_factory):
     run = tmp_path_factory.mktemp("xtoken_single")
-    _xtoken(sft_checkpoint, bpe_teacher, run)
+    _xtoken(sft_checkpoint, bpe_teacher, run, "rollout.top_k=1")
     return run
 
 
 def _xtoken(sft_checkpoint, teacher, run_dir, *extra, nproc=1):
     run_train(["--recipe", "tiny_xtoken", *QUICK, "train.max_steps=2", f"checkpoint.load={sft_checkpoint}",
-               f"distill.teacher={teacher}", "rollout.top_k=1", *extra, f"logging.run_dir={run_dir}"], nproc=nproc)
+               f"distill.teacher={teacher}", *extra, f"logging.run_dir={run_dir}"], nproc=nproc)
 
 
 @pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.cp=2"]], ids=["tp2", "cp2"])
 def test_xtoken_layouts_match_single_process(layout, xtoken_single, sft_checkpoint, bpe_teacher, tmp_path):
     """The same chunks, teacher likelihoods, loss and gradient norm at TP2 (vocabulary-parallel log-probs
     in both models) and CP2 (a chunk's tokens on two ranks, summed straight through)."""
-    _xtoken(sft_checkpoint, bpe_teacher, tmp_path, *layout, nproc=processes(layout))
+    _xtoken(sft_checkpoint, bpe_teacher, tmp_path, "rollout.top_k=1", *layout, nproc=processes(layout))
     for key in ("train/loss", "train/grad_norm", "distill/chunk_logp_gap_mean"):
         assert column(tmp_path, key) == pytest.approx(column(xtoken_single, key), rel=1e-5), key
     assert column(xtoken_single, "train/loss")[0] > 0
+
+
+# Calibrated on rollout seeds 0, 1, 2 (one thread) against tiny_bpe_teacher after 2 steps: the mean chunk loss
+# after 10 steps is 0.155, 0.152, 0.163 of the first step's.
+XTOKEN_STEPS, XTOKEN_RATIO = 10, 0.3
+
+
+def test_tiny_xtoken_student_learns_the_teachers_chunk_likelihoods(sft_checkpoint, bpe_teacher, tmp_path):
+    """tiny_xtoken, shortened, against a teacher of another tokenizer: the ALM loss falls (the accuracy gain
+    from a trained teacher is a full-length run, in README)."""
+    _xtoken(sft_checkpoint, bpe_teacher, tmp_path, f"train.max_steps={XTOKEN_STEPS}")
+    loss = column(tmp_path, "train/loss")
+    assert loss[-1] < XTOKEN_RATIO * loss[0], loss

@@ -76,9 +76,8 @@ def test_values_are_those_of_the_state_that_chose_each_token(one_process):
 
 QUICK = ["train.eval_every=0", "logging.progress=false", "logging.tensorboard=false", "checkpoint.save=false",
          "data.num_val=16", "data.num_train=2000", "train.max_steps=2", "algorithm.prompts_per_step=16", "rollout.n=4",
-         "data.micro_batch_size=16", "rollout.top_k=1", "algorithm.kl_coef=0.05", "ppo.critic_warmup_steps=1"]
-# (one minibatch: with several, each data-parallel rank splits its own share, so a minibatch's samples
-# depend on the data-parallel size, as in the GRPO loop)
+         "data.micro_batch_size=8", "rollout.top_k=1", "algorithm.kl_coef=0.05", "algorithm.minibatches=2",
+         "ppo.value_clip=0.01", "ppo.critic_warmup_steps=1"]
 COMPARED = ["train/value_loss", "train/critic_grad_norm", "train/explained_variance", "train/value_clip_frac",
             "train/loss", "train/grad_norm", "train/kl"]
 
@@ -107,9 +106,11 @@ def single(sft_checkpoint, tmp_path_factory):
 def test_ppo_layouts_match_single_process(layout, single, sft_checkpoint, tmp_path):
     """The same samples, values, GAE, and the same critic and policy losses and gradient norms at every
     layout and microbatch size (both losses are means over the global batch's tokens). Step 1 trains
-    the critic alone (warm-up), step 2 both."""
+    the critic alone (warm-up), step 2 both; two minibatches each (the same samples at every DP size), the
+    second clipping some values (a tight ppo.value_clip)."""
     _ppo(sft_checkpoint, tmp_path, *layout, nproc=processes(layout))
     assert column(tmp_path, "rollout/response_len_mean") == column(single, "rollout/response_len_mean")
     for key in COMPARED:
         assert column(tmp_path, key) == pytest.approx(column(single, key), rel=1e-5, abs=1e-7), key
+    assert max(column(single, "train/value_clip_frac")) > 0
     assert len(column(single, "train/value_loss")) == 2 and len(column(single, "train/grad_norm")) == 1  # warm-up

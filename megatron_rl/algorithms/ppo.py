@@ -14,6 +14,7 @@ Per step, after the rollout and the reference's logprobs:
 rollout.n samples per prompt are allowed (each is its own episode); n=1 is classic PPO.
 """
 
+from functools import partial
 from pathlib import Path
 
 from megatron_rl import checkpointing, losses
@@ -43,8 +44,6 @@ class Critic:
         return advantages.float()
 
     def train(self, batch: dict) -> dict:
-        from functools import partial
-
         keys = ("tokens", "loss_mask", "old_values", "returns")
         sums, grad_norms = grpo.passes(self.trainee, self.critic_cfg, {k: batch[k] for k in keys},
                                        partial(critic_lib.critic_loss, self.cfg.ppo.value_clip))

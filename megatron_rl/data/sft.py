@@ -177,7 +177,7 @@ def encode(rows: Rows, tokenizer, seq_length: int) -> dict[str, torch.Tensor]:
 
 
 class Batches:
-    """Deterministic, resumable stream of global batches; each DP rank takes its slice.
+    """Deterministic, resumable stream of global batches; each DP rank takes every dp_size-th sample.
 
     The position (`consumed`) is all the state: a resumed run continues with the same samples.
     """
@@ -196,15 +196,15 @@ class Batches:
     def next(self) -> dict[str, torch.Tensor]:
         idx = []
         pos = self.consumed
-        while len(idx) < self.gbs:
+        while pos < self.consumed + self.gbs:  # across an epoch's end: the rest of it, then the next one's start
             epoch, offset = divmod(pos, self.n)
-            take = min(self.gbs - len(idx), self.n - offset)
+            take = min(self.consumed + self.gbs - pos, self.n - offset)
             idx.append(self._order(epoch)[offset : offset + take])
             pos += take
         self.consumed = pos
-        idx = torch.cat(idx)
-        per_rank = self.gbs // self.dp_size
-        mine = idx[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
+        # Every dp_size-th sample, starting at this rank's: a contiguous part of the global batch (a GRPO
+        # minibatch) then consists of the same contiguous part of each rank's share, at any DP size.
+        mine = torch.cat(idx)[self.dp_rank :: self.dp_size]
         return {k: v[mine] for k, v in self.data.items()}
 
     def state_dict(self) -> dict:

@@ -49,7 +49,7 @@ def _check_architecture(cfg: Config, critic: Config):
         saved = dataclasses.asdict(checkpointing.read_model_config(path))
     else:
         saved = dataclasses.asdict(model_config_from_hf(critic.model.hf_path))
-    diff = checkpointing._architecture_diff(saved, cfg.model)
+    diff = checkpointing.architecture_diff(saved, cfg.model)
     if diff:
         raise ConfigError(f"ppo.critic={cfg.ppo.critic!r} holds a model of another architecture than the policy "
                           f"(model.{', model.'.join(diff[:3])}); the critic is built like the policy: point ppo.critic "
