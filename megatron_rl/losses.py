@@ -73,13 +73,6 @@ def reinforce_pp_advantages(rewards: torch.Tensor, group_size: int, mask: torch.
     return whiten(adv, mask, reduce).to(rewards.dtype)
 
 
-def center(x: torch.Tensor, mask: torch.Tensor, reduce=_local) -> torch.Tensor:
-    """x minus its mean over the valid tokens of the whole batch (reduce sums the moments over the
-    data-parallel ranks); 0 outside the mask."""
-    mean, _, _ = _moments(x, mask, reduce)
-    return ((x - mean) * mask).to(x.dtype)
-
-
 def whiten(x: torch.Tensor, mask: torch.Tensor, reduce=_local) -> torch.Tensor:
     """(x - mean) / sqrt(max(var, 1e-8)) over the valid tokens of the whole batch (reduce sums the
     moments over the data-parallel ranks); 0 outside the mask."""

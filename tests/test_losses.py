@@ -258,17 +258,16 @@ def _as_rank(fn, mine, other):
 
 
 def test_batch_statistics_span_every_data_parallel_rank():
-    """std_normalization=batch, GDPO, REINFORCE++, PPO's whitening and MOPD's centering normalize over the
-    global batch: two ranks holding
-    half of it each compute the full batch's advantages, which their local statistics would not."""
+    """std_normalization=batch, GDPO, REINFORCE++ and PPO's whitening normalize over the global batch:
+    two ranks holding half of it each compute the full batch's advantages, which their local statistics
+    would not."""
     torch.manual_seed(0)
     rewards, components, mask = torch.rand(16), torch.rand(16, 2), (torch.rand(16, 5) > 0.3).float()
     tokens = torch.rand(16, 5) + torch.arange(16.0)[:, None]  # its halves have different means
     cases = [(lambda x, reduce: losses.group_advantages(x, 4, "mean", "batch", reduce=reduce), rewards),
              (lambda x, reduce: losses.gdpo_advantages(x, torch.tensor([1.0, 0.5]), 4, reduce=reduce), components),
              (lambda x, reduce: losses.reinforce_pp_advantages(x[0], 4, x[1], reduce=reduce), (rewards, mask)),
-             (lambda x, reduce: losses.whiten(x[0], x[1], reduce=reduce), (tokens, mask)),
-             (lambda x, reduce: losses.center(x[0], x[1], reduce=reduce), (tokens, mask))]
+             (lambda x, reduce: losses.whiten(x[0], x[1], reduce=reduce), (tokens, mask))]
     for fn, batch in cases:
         halves = list(zip(*(x.chunk(2) for x in batch))) if isinstance(batch, tuple) else list(batch.chunk(2))
         full = fn(batch, lambda t: t)
@@ -277,7 +276,3 @@ def test_batch_statistics_span_every_data_parallel_rank():
         local = torch.cat([fn(h, lambda t: t) for h in halves])
         assert not torch.allclose(local, full, atol=1e-3)  # what each rank alone would have computed
 
-
-def test_center_by_hand():
-    x, mask = torch.tensor([[1.0, 2.0, 9.0], [3.0, 9.0, 9.0]]), torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    assert losses.center(x, mask).tolist() == [[-1.0, 0.0, 0.0], [1.0, 0.0, 0.0]]

@@ -40,7 +40,7 @@ from megatron_rl.training.setup import build_trainee, compute_dtype, load_initia
 from megatron_rl.training.step import (cp_sum, cp_sum_straight_through, first_cp_rank, forward_only, global_mean,
                                        make_microbatches, put_tokens)
 
-from .grpo import dp_sum, logprobs_of, train_on, trains_the_old_policy
+from .grpo import logprobs_of, train_on, trains_the_old_policy
 
 
 def build_teacher(cfg: Config, tokenizer, path: str, key: str = "distill.teacher"):
@@ -217,9 +217,9 @@ def run(cfg: Config, run_dir: Path) -> dict:
                 batch["index"] = torch.arange(len(rollout.completions))
                 if cfg.distill.teachers:
                     names = [train_meta[i]["teacher"] for i in index for _ in range(r.n)]
-                    gaps, mask = teacher_advantages(teachers, names, batch, cfg, vocab), batch["loss_mask"]
-                    gap = global_mean({"distill/teacher_student_logprob_gap_mean": gaps.sum().item()}, mask.sum().item())
-                    batch["advantages"] = losses.center(gaps, mask, dp_sum) if cfg.distill.center_advantages else gaps
+                    batch["advantages"] = teacher_advantages(teachers, names, batch, cfg, vocab)
+                    gap = global_mean({"distill/teacher_student_logprob_gap_mean": batch["advantages"].sum().item()},
+                                      batch["loss_mask"].sum().item())
                     if not trains_the_old_policy(a):
                         batch["old_logp"] = logprobs_of(trainee.model, batch, cfg)
                 else:

@@ -18,9 +18,6 @@ class DistillConfig:
     its teacher in its 'teacher' field. Each token's advantage is then stop-gradient(log p_teacher -
     log p_student) of the sampled token, in the policy loss of the GRPO loop (algorithm.* clip and
     mismatch correction settings apply); no reward, no top-k."""
-    center_advantages: bool = False
-    """Several teachers: subtract the global batch's mean advantage over response tokens (a constant baseline:
-    the gradient's expectation is unchanged, its variance lower)."""
     topk: int = 64
     """The teacher's top-k tokens per position on which the loss is computed (at most the vocabulary)."""
     kl_type: Literal["forward", "reverse", "mixed"] = "forward"
