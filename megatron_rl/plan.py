@@ -207,8 +207,7 @@ def plan(cfg: Config, world_size: int = 0, gpu: str = "h100") -> Plan:
     stages, dense_total, expert_total = _parameter_counts(cfg, world_size)
     for stage, (rank, n, experts, kinds) in enumerate(stages):
         layers = len(kinds)
-        shard = (lambda k, group: k // group) if cfg.optimizer.distributed else (lambda k, group: k)
-        sharded = shard(n - experts, dp) + shard(experts, expert_dp)
+        sharded = _optimizer_params(cfg, n, experts, dp, expert_dp)
         result.stages.append(StagePlan(
             stage=stage, rank=rank, layers=layers, params=n, expert_params=experts, weights=n * wbytes,
             grads=n * 4,  # gradients are reduced and kept in fp32 (grad_reduce_in_fp32)
@@ -223,11 +222,19 @@ def plan(cfg: Config, world_size: int = 0, gpu: str = "h100") -> Plan:
     return result
 
 
+def _optimizer_params(cfg: Config, n: int, experts: int, dp: int, expert_dp: int) -> int:
+    """How many of a rank's n parameters (experts of them in MoE experts) it keeps optimizer state for: all,
+    or with the distributed optimizer its share over the data-parallel (expert data-parallel) ranks."""
+    if not cfg.optimizer.distributed:
+        return n
+    return (n - experts) // dp + experts // expert_dp
+
+
 def other_models(cfg: Config) -> list[tuple[str, Config, bool]]:
     """The models a run builds beside the policy, each (name, a config building it, trained): PPO's critic
     (the policy with a score head and its own optimizer), the reference (a frozen copy of the policy, with
-    a KL penalty), and the reward model, teacher(s) or the preference negatives' policy where their
-    checkpoint or HF directory is readable here (their own architecture, frozen)."""
+    a KL penalty or in DPO), and the reward model or teacher(s) where their checkpoint or HF directory is
+    readable here (their own architecture, frozen)."""
     from megatron_rl.config.tree import ON_POLICY
 
     a, out = cfg.algorithm, []
@@ -273,8 +280,7 @@ def _add_other_models(cfg: Config, world_size: int, result: Plan, dp: int, exper
         for plan_stage, (_, n, experts, _) in zip(result.stages, stages):
             plan_stage.others += n * _dtype_bytes(other)
             if trained:
-                shard = (lambda k, group: k // group) if cfg.optimizer.distributed else (lambda k, group: k)
-                plan_stage.others += n * 4 + int(state * (shard(n - experts, dp) + shard(experts, expert_dp)))
+                plan_stage.others += n * 4 + int(state * _optimizer_params(cfg, n, experts, dp, expert_dp))
 
 
 _COUNTS: dict[str, tuple] = {}

@@ -92,9 +92,10 @@ def teacher_advantages(teachers: dict[str, list], names: list[str], batch: dict,
     return (teacher_logp - batch["rollout_logp"]) * batch["loss_mask"]
 
 
-def vocabulary(cfg: Config, tokenizer) -> int:
-    """Ids from here on are masked in both models: megatron's padded rows and ids the tokenizer never makes."""
-    return min(len(tokenizer), cfg.model.vocab_size)
+def vocabulary(model, tokenizer) -> int:
+    """Ids from here on are masked in a model (its ModelConfig): megatron's padded rows and ids the tokenizer
+    never makes."""
+    return min(len(tokenizer), model.vocab_size)
 
 
 def teacher_topk(teacher: list, batch: dict, cfg: Config, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,9 +153,8 @@ class CrossTokenizer:
 
         self.cfg, self.tokenizer, self.teacher = cfg, tokenizer, teacher
         self.teacher_tokenizer = load_tokenizer(teacher.tokenizer_dir)
-        self.teacher_vocab = min(len(self.teacher_tokenizer), teacher.model.vocab_size)
-        p = cfg.parallel
-        self.multiple = math.lcm(16, (2 * p.cp if p.cp > 1 else 1) * (p.tp if p.sp else 1))
+        self.teacher_vocab = vocabulary(teacher.model, self.teacher_tokenizer)
+        self.multiple = math.lcm(16, cfg.parallel.sequence_divisor())
 
     def batch(self, rollout) -> dict:
         from megatron_rl.data.alignment import cross_batches
@@ -191,7 +191,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
         stream.load_state_dict(state["extra"]["data"])
     engine = RolloutEngine(trainee.model, cfg.model, tokenizer, r, compute_dtype(cfg))
     val_scorer = build_scorer(cfg, cfg.rewards.val_fn or cfg.rewards.fn, tokenizer) if val_prompts else None
-    vocab = vocabulary(cfg, tokenizer)
+    vocab = vocabulary(cfg.model, tokenizer)
     loss_fn = partial(xtoken_loss if cross else distill_loss, cfg, vocab)
     log, prof = start_log(cfg, run_dir, step, latest)
     if step == 0 and val_prompts:  # the starting point, logged as step 0

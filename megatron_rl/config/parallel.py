@@ -92,5 +92,10 @@ class ParallelConfig:
                     raise ConfigError(f"model.{what}={getattr(model, what)} is not divisible by parallel.tp={self.tp}; "
                                       "choose a tp that divides it.")
 
+    def sequence_divisor(self) -> int:
+        """What a training sequence's length must be a multiple of: 2 chunks per context-parallel rank,
+        times tp with sequence parallelism."""
+        return (2 * self.cp if self.cp > 1 else 1) * (self.tp if self.sp else 1)
+
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp * self.cp)

@@ -50,7 +50,7 @@ class Config:
         self._validate_heads_and_rewards()
         self.fp8.validate()
         p = self.parallel
-        split = (2 * p.cp if p.cp > 1 else 1) * (p.tp if p.sp else 1)
+        split = p.sequence_divisor()
         if self.data.seq_length % split:
             raise ConfigError(
                 f"data.seq_length={self.data.seq_length} must be divisible by {split}: 2 chunks per context-parallel "

@@ -24,13 +24,6 @@ def same_tokenizer(a, b) -> bool:
     return tokenizer_difference(a, b) is None and getattr(a, "chat_template", None) == getattr(b, "chat_template", None)
 
 
-def split_multiple(cfg: Config) -> int:
-    """Sequence lengths must be a multiple of this: 2 chunks per context-parallel rank, times tp
-    under sequence parallelism."""
-    p = cfg.parallel
-    return (2 * p.cp if p.cp > 1 else 1) * (p.tp if p.sp else 1)
-
-
 class RewardModel:
     def __init__(self, cfg: Config, path: str, policy_tokenizer):
         from megatron_rl.data.tokenizer import load_tokenizer
@@ -49,7 +42,7 @@ class RewardModel:
         self.chunks, tokenizer_dir = frozen.chunks, frozen.tokenizer_dir
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.same = same_tokenizer(self.tokenizer, policy_tokenizer)
-        self.micro_batch_size, self.multiple = cfg.data.micro_batch_size, split_multiple(cfg)
+        self.micro_batch_size, self.multiple = cfg.data.micro_batch_size, cfg.parallel.sequence_divisor()
 
     def sequences(self, prompts: list[str], completions: list[str], ids) -> list[list[int]]:
         from megatron_rl.data.sft import prompt_ids
