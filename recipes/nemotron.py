@@ -49,7 +49,7 @@ def nemotron_grpo() -> Config:
 def nemotron_grpo_gb200() -> Config:
     """Nemotron 3 Nano 30B-A3B, GRPO on math: 2 GB200 trays x 4 GPUs (TP2 + SP, EP8, DP4), MXFP8.
 
-    Planner: fits, 91.6 of 186 GB on the fullest rank.
+    Planner: fits, 91.5 of 186 GB on the fullest rank.
     """
     return on_gb200(nemotron_grpo(), prompts_per_step=32, dp=4)
 

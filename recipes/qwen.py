@@ -1,6 +1,6 @@
 """Qwen: Qwen2.5 (dense, biased q/k/v) and Qwen3-MoE, GRPO on math (recipes/common.py says how to run them)."""
 
-from megatron_rl.config import Config, ModelConfig, ParallelConfig
+from megatron_rl.config import Config, LoRAConfig, ModelConfig, ParallelConfig
 
 from . import register
 from .common import math_grpo, on_gb200, with_fp8
@@ -75,4 +75,21 @@ def qwen25_32b_grpo() -> Config:
                     prompt_tokens=1024, answer_tokens=15360)
     cfg.algorithm.minibatches = 2
     cfg.optimizer.state_dtype = "bf16"
+    return cfg
+
+
+@register(gpu="a100")
+def qwen25_32b_grpo_lora() -> Config:
+    """qwen25_32b_grpo with LoRA (rank 64 on every attention and MLP projection) on half its GPUs: 4 A100
+    80GB (TP4 + SP). The base is frozen, so only the adapters (0.54B parameters) have gradients and Adam
+    state; with a KL penalty the reference is the policy with its adapters off, no second copy (the full
+    model at TP4 would need 176.1 GB on its fullest rank, 192.5 GB with a reference; LoRA 47.4 GB either way).
+
+    Planner: fits, 47.4 of 80 GB on the fullest rank.
+    """
+    cfg = qwen25_32b_grpo()
+    cfg.parallel.tp = 4
+    cfg.lora = LoRAConfig(rank=64, alpha=128)
+    cfg.optimizer.state_dtype = "fp32"
+    cfg.optimizer.lr = cfg.optimizer.min_lr = 1e-5  # LoRA takes about 10x the full model's learning rate
     return cfg

@@ -1,7 +1,7 @@
 """Tiny models on the built-in arithmetic task: fast on a 2-core CPU, used by the demo and tests."""
 
-from megatron_rl.config import (AlgorithmConfig, CheckpointConfig, Config, DataConfig, DistillConfig, ModelConfig,
-                                OptimizerConfig, PPOConfig, RolloutConfig, SchedulerConfig, TrainConfig)
+from megatron_rl.config import (AlgorithmConfig, CheckpointConfig, Config, DataConfig, DistillConfig, LoRAConfig,
+                                ModelConfig, OptimizerConfig, PPOConfig, RolloutConfig, SchedulerConfig, TrainConfig)
 
 from . import register
 
@@ -308,6 +308,32 @@ def tiny_mopd() -> Config:
     cfg.checkpoint.load = "runs/tiny_mopd_sft"
     cfg.optimizer.lr, cfg.optimizer.min_lr = 1e-4, 1e-5
     return cfg
+
+
+def _with_lora(cfg: Config, lr: float) -> Config:
+    """Rank-8 adapters (alpha 16) on every attention and MLP projection, the base frozen: LoRA takes a larger
+    learning rate than the whole model."""
+    cfg.lora = LoRAConfig(rank=8, alpha=16)
+    cfg.optimizer.lr, cfg.optimizer.min_lr = lr, lr / 10
+    return cfg
+
+
+@register
+def tiny_sft_lora() -> Config:
+    """LoRA SFT of tiny_sft's model (run it first) on clean demonstrations: tiny_teacher with adapters."""
+    return _with_lora(tiny_teacher(), 3e-3)
+
+
+@register
+def tiny_dpo_lora() -> Config:
+    """tiny_dpo with LoRA: the reference is the model with its adapters off."""
+    return _with_lora(tiny_dpo(), 1e-3)
+
+
+@register
+def tiny_grpo_lora() -> Config:
+    """tiny_grpo with LoRA: rollouts on the model with its adapters, no merging."""
+    return _with_lora(tiny_grpo(), 1e-3)
 
 
 def tiny_nemotron_h_model() -> ModelConfig:

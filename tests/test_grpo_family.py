@@ -20,6 +20,7 @@ VARIANTS = {  # recipe -> a metric only that variant logs (None: none)
     "tiny_rloo": None,
     "tiny_reinforce_pp": None,
     "tiny_ppo": "train/explained_variance",
+    "tiny_grpo_lora": None,
 }
 
 

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 
 from tests.helpers import ROOT
 
@@ -13,14 +14,17 @@ def _plan(*args) -> subprocess.CompletedProcess:
                           timeout=300, env={"PYTHONWARNINGS": "ignore", "PATH": "/usr/bin:/bin"})
 
 
-def test_plan_bytes_equal_real_allocations(tmp_path):
-    proc = subprocess.run([sys.executable, "tests/scripts/plan_vs_real.py", str(tmp_path)], cwd=ROOT,
+@pytest.mark.parametrize("extra", [[], ["lora.rank=4"]], ids=["full", "lora"])
+def test_plan_bytes_equal_real_allocations(extra, tmp_path):
+    proc = subprocess.run([sys.executable, "tests/scripts/plan_vs_real.py", str(tmp_path), *extra], cwd=ROOT,
                           capture_output=True, text=True, timeout=300,
                           env={"PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     for name, (planned, real) in counts.items():
         assert planned == real, (name, planned, real)
+    if extra:  # LoRA: gradients and Adam state for the adapters alone, a small part of the weights
+        assert counts["grads"][1] < 0.2 * counts["weights"][1] / 2 * 4
 
 
 def test_plan_says_when_it_does_not_fit():

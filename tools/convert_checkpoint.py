@@ -2,6 +2,8 @@
 
     python tools/convert_checkpoint.py import --hf HF_DIR --out MEGATRON_DIR [--tp N --pp N --ep N]
     python tools/convert_checkpoint.py export --megatron MEGATRON_DIR --out HF_DIR [--dtype bf16]
+    python tools/convert_checkpoint.py export --megatron LORA_RUN_CHECKPOINT --out HF_DIR --merge-lora
+    python tools/convert_checkpoint.py export --megatron LORA_RUN_CHECKPOINT --out PEFT_DIR --adapter-only
     torchrun --nproc_per_node 4 tools/convert_checkpoint.py import --hf HF_DIR --out DIR --tp 2 --pp 2
 
 Tensors stream one at a time: each rank reads (import) or gathers and writes (export) only its own
@@ -31,6 +33,11 @@ def parse_args(argv=None):
     exp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
                      help="tensor dtype (default: each tensor's dtype when imported, else the HF config's)")
     exp.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB")
+    lora = exp.add_mutually_exclusive_group()
+    lora.add_argument("--merge-lora", action="store_true",
+                      help="a LoRA checkpoint: HF weights with the adapters merged, W + (alpha / rank) B A")
+    lora.add_argument("--adapter-only", action="store_true",
+                      help="a LoRA checkpoint: its adapters alone, as a PEFT directory for the base's HF export")
     for sp in (imp, exp):
         sp.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
         sp.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
@@ -51,7 +58,7 @@ def parse_size(text: str) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_rl import checkpointing, platform
-    from megatron_rl.config import Config, ConfigError, ParallelConfig
+    from megatron_rl.config import Config, ConfigError, LoRAConfig, ParallelConfig
     from megatron_rl.hf import DTYPES, export_hf, import_hf, model_config_from_hf, staging_dir, write_assets
     from megatron_rl.training.setup import build_model
 
@@ -66,6 +73,16 @@ def main(argv=None) -> int:
             model = checkpointing.read_model_config(args.megatron)
         cfg = Config(model=model, parallel=ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep))
         cfg.train.precision = "fp32"  # conversions are exact: bf16/fp16 weights fit fp32 losslessly
+        if args.command == "export":
+            lora = checkpointing.saved_lora(args.megatron)
+            if lora and not (args.merge_lora or args.adapter_only):
+                raise ConfigError(f"{args.megatron!r} holds LoRA adapters: export with --merge-lora (HF weights with "
+                                  f"them merged) or --adapter-only (a PEFT directory).")
+            if not lora and (args.merge_lora or args.adapter_only):
+                raise ConfigError(f"{args.megatron!r} holds no LoRA adapters; export it without --merge-lora or "
+                                  f"--adapter-only.")
+            if lora:
+                cfg.lora = LoRAConfig(rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]))
         cfg.validate(world_size=launch.world_size)
     except (ConfigError, FileNotFoundError, platform.LaunchError) as e:
         if isinstance(e, platform.LaunchError) or launch.rank == 0:
@@ -75,7 +92,7 @@ def main(argv=None) -> int:
     platform.init_distributed(launch)
     p = cfg.parallel
     platform.init_model_parallel(tp=p.tp, pp=p.pp, ep=p.ep)
-    chunks, _ = build_model(cfg, wrap_ddp=False)
+    chunks, _ = build_model(cfg, wrap_ddp=False, adapters=True)
     try:
         if args.command == "import":
             import_hf(chunks, model, args.hf, allow_pickle=args.allow_pickle)
@@ -87,10 +104,25 @@ def main(argv=None) -> int:
                     shutil.rmtree(out)
                 os.replace(tmp, out)
         else:
-            checkpointing.load_weights(chunks, args.megatron, model.head)
-            export_hf(chunks, model, out, assets=Path(args.megatron) / checkpointing.ASSETS,
-                      dtype=DTYPES.get(args.dtype), max_shard_bytes=parse_size(args.max_shard_size),
-                      overwrite=args.overwrite)
+            if args.merge_lora:  # a LoRA checkpoint holds its adapters alone: its base first
+                from megatron_rl.training.lora import base_checksum, check_base
+                from megatron_rl.training.setup import load_base
+
+                base = checkpointing.saved_lora(args.megatron)["base"]
+                ours = checkpointing.is_ours(base["path"])
+                load_base(chunks, cfg, base["path"] if ours else "", "" if ours else base["path"])
+                check_base(base_checksum(chunks, model), base, args.megatron)
+            checkpointing.load_weights(chunks, args.megatron, model.head, cfg.lora)
+            if args.adapter_only:
+                from megatron_rl.hf.peft import export_peft
+                export_peft(chunks, model, cfg.lora, out, overwrite=args.overwrite)
+            else:
+                if args.merge_lora:
+                    from megatron_rl.training.lora import merge
+                    merge(chunks)
+                export_hf(chunks, model, out, assets=Path(args.megatron) / checkpointing.ASSETS,
+                          dtype=DTYPES.get(args.dtype), max_shard_bytes=parse_size(args.max_shard_size),
+                          overwrite=args.overwrite)
     except ConfigError as e:
         if launch.rank == 0:
             print(f"error: {e}", file=sys.stderr)

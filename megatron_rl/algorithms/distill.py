@@ -193,7 +193,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
     val_scorer = build_scorer(cfg, cfg.rewards.val_fn or cfg.rewards.fn, tokenizer) if val_prompts else None
     vocab = vocabulary(cfg.model, tokenizer)
     loss_fn = partial(xtoken_loss if cross else distill_loss, cfg, vocab)
-    log, prof = start_log(cfg, run_dir, step, latest)
+    log, prof = start_log(cfg, run_dir, step, latest, trainee)
     if step == 0 and val_prompts:  # the starting point, logged as step 0
         log.log(0, greedy_eval(engine, val_scorer, tokenizer, val_prompts, val_meta))
 

@@ -26,6 +26,7 @@ from megatron_rl.data.sft import Batches
 from megatron_rl.training.logprobs import mask_padded_vocab, token_logprobs
 from megatron_rl.training.loop import (due, dp_share, finish, save_if_due, schedule_metrics, start_log, train_step,
                                        validation_report)
+from megatron_rl.training.lora import adapters_off
 from megatron_rl.training.reference import build_reference, cache_key, cached, weight_bytes
 from megatron_rl.training.setup import build_trainee, load_initial_state, write_run_assets
 from megatron_rl.training.step import (cp_sum, cp_sum_straight_through, first_cp_rank, forward_only, make_microbatches,
@@ -87,7 +88,8 @@ def reference_logps(model_chunks: list, batch: dict, cfg: Config) -> torch.Tenso
 
     keys = ("tokens", "labels", "loss_mask")
     micro = dpo_microbatches(cfg, {**{k: batch[k] for k in keys}, "index": torch.arange(len(out))})
-    forward_only(model_chunks, micro, collect)
+    with adapters_off(model_chunks):  # a LoRA run's reference: its own base
+        forward_only(model_chunks, micro, collect)
     return share_with_pipeline(cp_sum(out))
 
 
@@ -135,7 +137,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
     latest, state = load_initial_state(trainee, cfg, run_dir)
     assets = write_run_assets(cfg, run_dir, tokenizer)
     step = state["step"] if state else 0
-    log, prof = start_log(cfg, run_dir, step, latest)
+    log, prof = start_log(cfg, run_dir, step, latest, trainee)
     log.write(data.note)
 
     built = []  # the frozen initial policy, built on first use

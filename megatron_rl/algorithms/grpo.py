@@ -31,6 +31,7 @@ from megatron_rl.rollout.evaluate import decode, greedy_eval
 from megatron_rl.rollout.routing import RoutingTape, pack_routes, routes_queued
 from megatron_rl.training.logprobs import entropy, mask_padded_vocab, token_logprobs
 from megatron_rl.training.loop import due, finish, save_if_due, schedule_metrics, start_log, train_step
+from megatron_rl.training.lora import adapters_off
 from megatron_rl.training.reference import build_reference
 from megatron_rl.training.setup import build_trainee, compute_dtype, load_initial_state, write_run_assets
 from megatron_rl.training.step import cp_sum, first_cp_rank, forward_only, global_mean, make_microbatches, put_tokens
@@ -262,7 +263,7 @@ def run(cfg: Config, run_dir: Path, critic_class=None) -> dict:
     val_fn = cfg.rewards.val_fn or cfg.rewards.fn
     val_scorer = runner if val_fn == cfg.rewards.fn else build_scorer(cfg, val_fn, tokenizer)
     by_model = cfg.rewards.fn == "reward_model"
-    log, prof = start_log(cfg, run_dir, step, latest)
+    log, prof = start_log(cfg, run_dir, step, latest, trainee)
     if step == 0 and val_prompts:  # the starting point, logged as step 0
         log.log(0, greedy_eval(engine, val_scorer, tokenizer, val_prompts, val_meta))
 
@@ -290,7 +291,8 @@ def run(cfg: Config, run_dir: Path, critic_class=None) -> dict:
             if not trains_the_old_policy(a):  # else the training forward's logprobs are the old ones
                 batch["old_logp"] = logprobs_of(trainee.model, batch, cfg, tape, a.router_replay)
             if reference is not None:
-                batch["ref_logp"] = logprobs_of(reference, batch, cfg, ref_tape, a.router_replay)
+                with adapters_off(reference):
+                    batch["ref_logp"] = logprobs_of(reference, batch, cfg, ref_tape, a.router_replay)
             if per_token:
                 batch["advantages"] = critic.advantages(scored, batch) if critic else advantages_of(cfg, scored, batch)
         times["perf/time_logprob_s"] = time.perf_counter() - t0

@@ -78,7 +78,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
                       ps.get_data_parallel_world_size())
     if state:
         batches.load_state_dict(state["extra"]["data"])
-    log, prof = start_log(cfg, run_dir, step, latest)
+    log, prof = start_log(cfg, run_dir, step, latest, trainee)
     log.write(data.note)
     loss_fn = partial(rm_loss, cfg, data.kinds)
     if step == 0 and data.val is not None:

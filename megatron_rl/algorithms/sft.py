@@ -73,7 +73,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
     if state:
         batches.load_state_dict(state["extra"]["data"])
 
-    log, prof = start_log(cfg, run_dir, step, latest)
+    log, prof = start_log(cfg, run_dir, step, latest, trainee)
     loss_fn = partial(sft_loss, cfg.model.vocab_size)
     best, stale, metrics = float("inf"), 0, {}
     trainee.train()

@@ -9,6 +9,7 @@ from .algorithm import AlgorithmConfig
 from .base import ConfigError
 from .data import DataConfig
 from .distill import DistillConfig
+from .lora import LoRAConfig
 from .model import ModelConfig
 from .optimizer import OptimizerConfig, SchedulerConfig
 from .overrides import MOVED, all_keys, apply_overrides, from_dict
@@ -19,6 +20,6 @@ from .run import CheckpointConfig, LoggingConfig, ProfilingConfig
 from .train import FP8Config, TrainConfig
 from .tree import Config
 
-__all__ = ["AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistillConfig", "FP8Config", "LoggingConfig",
+__all__ = ["AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistillConfig", "FP8Config", "LoggingConfig", "LoRAConfig",
            "MOVED", "ModelConfig", "OptimizerConfig", "ParallelConfig", "PPOConfig", "ProfilingConfig", "RewardsConfig",
            "RolloutConfig", "SchedulerConfig", "TrainConfig", "all_keys", "apply_overrides", "from_dict"]

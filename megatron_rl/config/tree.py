@@ -10,6 +10,7 @@ from .algorithm import AlgorithmConfig
 from .base import ConfigError, positive
 from .data import DataConfig
 from .distill import DistillConfig
+from .lora import LoRAConfig
 from .model import ModelConfig
 from .optimizer import OptimizerConfig, SchedulerConfig
 from .parallel import ParallelConfig
@@ -35,6 +36,7 @@ class Config:
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     fp8: FP8Config = field(default_factory=FP8Config)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -56,6 +58,13 @@ class Config:
                 f"data.seq_length={self.data.seq_length} must be divisible by {split}: 2 chunks per context-parallel "
                 f"rank times tp with sequence parallelism; change data.seq_length or parallel.cp/tp.")
         self._validate_packing()
+        self.lora.validate()
+        if self.lora.rank % self.parallel.tp:
+            raise ConfigError(f"lora.rank={self.lora.rank} must be divisible by parallel.tp={self.parallel.tp} (the "
+                              f"adapters of column-parallel layers split their rank over tensor-parallel ranks).")
+        if self.lora.rank and self.lora.dropout and self.algorithm.name in ON_POLICY:
+            raise ConfigError(f"lora.dropout={self.lora.dropout} is refused for algorithm.name={self.algorithm.name}: a "
+                              f"random forward breaks the agreement of rollout and training log-probs; set lora.dropout=0.")
         if self.algorithm.name == "distill":
             self.distill.validate()
         if self.algorithm.name == "ppo":

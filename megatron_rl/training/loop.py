@@ -16,7 +16,7 @@ def due(step: int, every: int, last: bool) -> bool:
     return last or bool(every and step % every == 0)
 
 
-def start_log(cfg: Config, run_dir: Path, step: int, resumed_from=None):
+def start_log(cfg: Config, run_dir: Path, step: int, resumed_from=None, trainee=None):
     """The run's logger (metrics.jsonl, TensorBoard, progress bar on rank 0) and a Profiler."""
     from megatron_rl.logging import RunLogger
     from megatron_rl.profiling import Profiler
@@ -28,6 +28,11 @@ def start_log(cfg: Config, run_dir: Path, step: int, resumed_from=None):
                     progress=g.progress, desc=cfg.recipe or cfg.algorithm.name, wandb=wandb)
     if resumed_from is not None:
         log.write(f"resumed from {resumed_from} at step {step}")
+    if trainee is not None and cfg.lora.rank:
+        from megatron_rl.training.lora import parameter_counts
+        trainable, total = parameter_counts(trainee.model, cfg.model)
+        log.write(f"LoRA (rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g}): {trainable:,} trainable parameters of "
+                  f"{total:,} ({100 * trainable / total:.2f}%)")
     return log, Profiler(cfg.profiling, dist.get_rank(), run_dir)
 
 
@@ -75,7 +80,7 @@ def save_if_due(cfg: Config, trainee, run_dir: Path, step: int, last: bool, data
         if before is not None:
             before(step)
         checkpointing.save(trainee, run_dir, step, {"data": data_state}, cfg.checkpoint.keep, model=cfg.model,
-                           assets=assets, verify=cfg.checkpoint.verify)
+                           assets=assets, verify=cfg.checkpoint.verify, lora=cfg.lora)
     if preempted:
         log.write(f"preempted: stopped after step {step}" + (", saved a checkpoint; resume with "
                                                               "checkpoint.resume=auto" if cfg.checkpoint.save else ""))

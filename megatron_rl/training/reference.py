@@ -14,12 +14,15 @@ from megatron_rl.config import Config, ConfigError
 def build_reference(cfg: Config, trainee, resumed: bool) -> list:
     """Model chunks without DDP or optimizer holding the weights the run started from. A fresh run
     copies the trainee's weights as they are before its first step; a resumed run reloads
-    checkpoint.load or model.hf_path."""
+    checkpoint.load or model.hf_path. With LoRA adapters the reference is the trainee itself, read
+    inside lora.adapters_off (its frozen base: no second copy of the model)."""
     from megatron_rl import checkpointing
     from megatron_rl.hf import import_hf
     from megatron_rl.training.frozen import freeze
     from megatron_rl.training.setup import build_model
 
+    if cfg.lora.rank:
+        return trainee.model
     reference, _ = build_model(cfg, wrap_ddp=False)
     if not resumed:
         for ref, chunk in zip(reference, trainee.model):

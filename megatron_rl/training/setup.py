@@ -1,10 +1,12 @@
 """Model, optimizer and LR schedule from a Config: the one place a parallel layout becomes modules."""
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from megatron_rl.config import Config, ConfigError
+from megatron_rl.training import lora
 
 
 def compute_dtype(cfg: Config) -> torch.dtype:
@@ -26,6 +28,7 @@ class Trainee:
     max_skipped_steps: int = 10  # non-finite steps in a row before the run stops (train.max_skipped_steps)
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient norm, in all
     skipped_in_a_row: int = 0
+    base: dict | None = None  # LoRA: the base the adapters are trained on ({'path', 'checksum'})
 
     def train(self):
         for chunk in self.model:
@@ -36,9 +39,9 @@ class Trainee:
             chunk.eval()
 
 
-def build_model(cfg: Config, wrap_ddp: bool = True, meta: bool = False):
+def build_model(cfg: Config, wrap_ddp: bool = True, meta: bool = False, adapters: bool = False):
     """GPTModel chunks for this rank's pipeline stage(s); DDP-wrapped for training. meta: shapes
-    only (call under torch.device("meta"), for planning)."""
+    only (call under torch.device("meta"), for planning). adapters: LoRA's (lora.rank > 0), the base frozen."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
@@ -62,6 +65,9 @@ def build_model(cfg: Config, wrap_ddp: bool = True, meta: bool = False):
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             vp_stage=stage,
         ))
+    if adapters and cfg.lora.rank:  # before DDP, which gives gradient buffers to trainable parameters only
+        from megatron_rl.training.lora import add_adapters
+        add_adapters(chunks, cfg.lora, tconfig, cfg.model, cfg.train.seed, init=not meta)
     if cfg.model.moe_router_frozen:  # before DDP, which gives gradient buffers to trainable parameters only
         for chunk in chunks:
             for name, param in chunk.named_parameters():
@@ -124,7 +130,7 @@ def _optimizer_memory_kwargs(o) -> dict:
 def build_trainee(cfg: Config) -> Trainee:
     from megatron.core.distributed import finalize_model_grads
 
-    model, tconfig = build_model(cfg)
+    model, tconfig = build_model(cfg, adapters=True)
     # The schedule calls this after the last backward: DP/embedding grad all-reduce and the
     # division by the global token count (calculate_per_token_loss).
     tconfig.finalize_model_grads_func = finalize_model_grads
@@ -152,22 +158,51 @@ def write_run_assets(cfg: Config, run_dir, tokenizer):
 def load_initial_state(trainee: Trainee, cfg: Config, run_dir):
     """Resume from the run's latest checkpoint (checkpoint.resume), else start from the weights of
     checkpoint.load or model.hf_path, else from the random init. Returns (checkpoint path or None,
-    the resumed state {'step', 'extra'} or None)."""
+    the resumed state {'step', 'extra'} or None). A LoRA run's checkpoints hold its adapters alone and
+    name their base: resuming loads the base as the run started, checks it, then the adapters."""
     from megatron_rl import checkpointing
-    from megatron_rl.hf import import_hf
 
     latest = checkpointing.latest_checkpoint(run_dir, cfg.checkpoint.verify) if cfg.checkpoint.resume else None
     if latest is None and cfg.checkpoint.resume is True:
         raise ConfigError(f"checkpoint.resume=true but {run_dir} has no complete checkpoint to resume from; use "
                           "checkpoint.resume=auto to start fresh when there is none.")
+    if cfg.lora.rank and (latest is None or checkpointing.saved_lora(latest)):
+        load_base(trainee.model, cfg, cfg.checkpoint.load, cfg.model.hf_path)
+        source = cfg.checkpoint.load or cfg.model.hf_path
+        trainee.base = {"path": str(Path(source).resolve()) if source else "",
+                        "checksum": lora.base_checksum(trainee.model, cfg.model)}
+        if latest is not None:
+            lora.check_base(trainee.base["checksum"], checkpointing.saved_lora(latest)["base"], latest)
     if latest is not None:
         return latest, checkpointing.load(trainee, latest)
-    if cfg.checkpoint.load:
-        path = checkpointing.resolve(cfg.checkpoint.load)
-        checkpointing.check_model_matches(path, cfg.model)
-        checkpointing.load(trainee, path, weights_only=True, head=cfg.model.head)
-    elif cfg.model.hf_path:
-        import_hf(trainee.model, cfg.model, cfg.model.hf_path)
-        trainee.optimizer.reload_model_params()  # bf16 models keep fp32 main copies
+    if not cfg.lora.rank:
+        load_base(trainee.model, cfg, cfg.checkpoint.load, cfg.model.hf_path)
+    if cfg.lora.adapter:
+        from megatron_rl.hf.peft import import_peft
+        import_peft(trainee.model, cfg.model, cfg.lora, cfg.lora.adapter)
+    trainee.optimizer.reload_model_params()  # bf16 models keep fp32 main copies
     return None, None
+
+
+def load_base(chunks: list, cfg: Config, checkpoint: str = "", hf: str = ""):
+    """Weights from our checkpoint, else from an HF directory (nothing when neither is given). A LoRA
+    checkpoint holds adapters only: its base first (recursively, checked against the checksum it
+    recorded), then its adapters, merged into the base, and the adapters start afresh (a stacked stage)."""
+    from megatron_rl import checkpointing
+    from megatron_rl.hf import import_hf
+
+    if not checkpoint:
+        if hf:
+            import_hf(chunks, cfg.model, hf)
+        return
+    path = checkpointing.resolve(checkpoint)
+    checkpointing.check_model_matches(path, cfg.model)
+    saved = checkpointing.saved_lora(path)
+    if saved:
+        base = saved["base"]["path"]
+        ours = bool(base) and checkpointing.is_ours(base)
+        load_base(chunks, cfg, base if ours else "", "" if ours else base)
+        lora.check_base(lora.base_checksum(chunks, cfg.model), saved["base"], path)
+    if checkpointing.load_weights(chunks, path, cfg.model.head, cfg.lora):
+        lora.merge_and_reset(chunks, cfg.model, cfg.train.seed)
 

@@ -2,7 +2,8 @@
 
 A tiny MoE model in bf16 with the distributed optimizer: the plan's weights, gradients, optimizer
 state (after one step) and KV-cache bytes per token, and the real tensors' bytes. Prints one JSON
-line: {"name": [planned, real], ...}.
+line: {"name": [planned, real], ...}. Further overrides may follow the output directory (lora.rank=4: the
+gradients and optimizer state of the adapters only).
 """
 
 import json
@@ -20,7 +21,7 @@ OVERRIDES = ["train.precision=bf16", "optimizer.distributed=true", "model.num_ex
              "model.moe_ffn_hidden_size=64", "model.moe_topk=2"]
 
 if __name__ == "__main__":
-    cfg = apply_overrides(get_recipe("tiny_sft"), OVERRIDES)
+    cfg = apply_overrides(get_recipe("tiny_sft"), OVERRIDES + sys.argv[2:])
     planned = plan(cfg, world_size=1).stages[0]
 
     from megatron_rl.rollout.engine import RolloutEngine
@@ -31,7 +32,8 @@ if __name__ == "__main__":
     trainee = build_trainee(cfg)
     params = [p for chunk in trainee.model for p in chunk.parameters()]
     for p in params:  # one optimizer step, so that Adam's state exists
-        p.main_grad.normal_()
+        if p.requires_grad:
+            p.main_grad.normal_()
     trainee.optimizer.step()
     # MoE: megatron chains one distributed optimizer for dense and one for expert parameters
     optimizers = getattr(trainee.optimizer, "chained_optimizers", [trainee.optimizer])
