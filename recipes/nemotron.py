@@ -7,7 +7,7 @@ expert and pipeline parallelism. As NeMo RL runs it, the router is frozen and ke
 no auxiliary loss (replayed routing in rollouts and training, algorithm.router_replay).
 """
 
-from megatron_rl.config import Config, ModelConfig, ParallelConfig
+from megatron_rl.config import Config, LoRAConfig, ModelConfig, ParallelConfig
 
 from . import register
 from .common import math_grpo, on_gb200
@@ -80,3 +80,18 @@ def nemotron4_340b_grpo() -> Config:
                         rotary_percent=0.5, norm_epsilon=1e-5, max_position_embeddings=4096)
     return math_grpo(model, ParallelConfig(tp=8, sp=True, pp=12, dp=2), prompts_per_step=32, max_requests=32,
                      kv_cache_gb=4)
+
+
+@register
+def nemotron4_340b_grpo_lora() -> Config:
+    """nemotron4_340b_grpo with LoRA (rank 64 on every attention and MLP projection) on a sixth of its GPUs:
+    4 nodes x 8 H100 (TP8 + SP, PP4, DP1). Only the adapters (1.83B parameters) have gradients and Adam
+    state, and with a KL penalty the reference is the policy with its adapters off.
+
+    Planner: fits, 34.5 of 80 GB on the fullest rank.
+    """
+    cfg = nemotron4_340b_grpo()
+    cfg.parallel.pp, cfg.parallel.dp = 4, 1
+    cfg.lora = LoRAConfig(rank=64, alpha=128)
+    cfg.optimizer.lr = cfg.optimizer.min_lr = 1e-5  # LoRA takes about 10x the full model's learning rate
+    return cfg
