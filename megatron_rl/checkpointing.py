@@ -457,13 +457,13 @@ def load(trainee, path: str | Path) -> dict:
 
     path = Path(path)
     _require_complete(path)
-    adapters_only = saved_lora(path) is not None
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    adapters_only = common.get("lora") is not None
     model_state = _model_state(trainee.model, adapters_only)
     request = {"model": model_state,
                "optimizer": trainee.optimizer.sharded_state_dict(model_state, is_loading=True,
                                                                  metadata=OPTIMIZER_FORMAT),
                "rng": _rng_state()}
-    common = dist_checkpointing.load_common_state_dict(str(path))
     saved_distributed = common.get("distributed_optimizer", False)
     if saved_distributed != _is_distributed(trainee.optimizer):
         raise ValueError(

@@ -10,8 +10,8 @@ under Slurm (see slurm/):
         data.train_path=/data/math.jsonl
 """
 
-from megatron_rl.config import (AlgorithmConfig, Config, DataConfig, ModelConfig, OptimizerConfig, ParallelConfig,
-                                RewardsConfig, RolloutConfig, SchedulerConfig, TrainConfig)
+from megatron_rl.config import (AlgorithmConfig, Config, DataConfig, LoRAConfig, ModelConfig, OptimizerConfig,
+                                ParallelConfig, RewardsConfig, RolloutConfig, SchedulerConfig, TrainConfig)
 
 
 def math_grpo(model: ModelConfig, parallel: ParallelConfig, prompts_per_step: int, max_requests: int,
@@ -55,3 +55,11 @@ def on_gb200(cfg: Config, prompts_per_step: int = 0, **parallel) -> Config:
         setattr(cfg.parallel, name, value)
     cfg.algorithm.prompts_per_step = prompts_per_step or cfg.algorithm.prompts_per_step
     return with_fp8(cfg, "gb200")
+
+
+def with_lora(cfg: Config, rank: int = 64, alpha: float = 128, lr: float = 1e-5, min_lr: float | None = None) -> Config:
+    """The recipe with LoRA adapters on every attention and MLP projection, the base frozen: LoRA takes about
+    10x the full model's learning rate."""
+    cfg.lora = LoRAConfig(rank=rank, alpha=alpha)
+    cfg.optimizer.lr, cfg.optimizer.min_lr = lr, lr if min_lr is None else min_lr
+    return cfg

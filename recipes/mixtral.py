@@ -1,9 +1,9 @@
 """Mixtral: Mixtral-8x7B(-Instruct), GRPO on math (recipes/common.py says how to run it)."""
 
-from megatron_rl.config import Config, LoRAConfig, ModelConfig, ParallelConfig
+from megatron_rl.config import Config, ModelConfig, ParallelConfig
 
 from . import register
-from .common import math_grpo
+from .common import math_grpo, with_lora
 
 
 @register
@@ -31,6 +31,4 @@ def mixtral_8x7b_grpo_lora() -> Config:
     """
     cfg = mixtral_8x7b_grpo()
     cfg.parallel.ep, cfg.parallel.dp = 2, 2
-    cfg.lora = LoRAConfig(rank=64, alpha=128)
-    cfg.optimizer.lr = cfg.optimizer.min_lr = 1e-5  # LoRA takes about 10x the full model's learning rate
-    return cfg
+    return with_lora(cfg)

@@ -7,10 +7,10 @@ expert and pipeline parallelism. As NeMo RL runs it, the router is frozen and ke
 no auxiliary loss (replayed routing in rollouts and training, algorithm.router_replay).
 """
 
-from megatron_rl.config import Config, LoRAConfig, ModelConfig, ParallelConfig
+from megatron_rl.config import Config, ModelConfig, ParallelConfig
 
 from . import register
-from .common import math_grpo, on_gb200
+from .common import math_grpo, on_gb200, with_lora
 
 NANO3_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
 NEMOTRON_H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
@@ -92,6 +92,4 @@ def nemotron4_340b_grpo_lora() -> Config:
     """
     cfg = nemotron4_340b_grpo()
     cfg.parallel.pp, cfg.parallel.dp = 4, 1
-    cfg.lora = LoRAConfig(rank=64, alpha=128)
-    cfg.optimizer.lr = cfg.optimizer.min_lr = 1e-5  # LoRA takes about 10x the full model's learning rate
-    return cfg
+    return with_lora(cfg)

@@ -1,9 +1,9 @@
 """Qwen: Qwen2.5 (dense, biased q/k/v) and Qwen3-MoE, GRPO on math (recipes/common.py says how to run them)."""
 
-from megatron_rl.config import Config, LoRAConfig, ModelConfig, ParallelConfig
+from megatron_rl.config import Config, ModelConfig, ParallelConfig
 
 from . import register
-from .common import math_grpo, on_gb200, with_fp8
+from .common import math_grpo, on_gb200, with_fp8, with_lora
 
 
 def _qwen3_moe(layers, hidden, heads, experts_ffn) -> ModelConfig:
@@ -89,7 +89,5 @@ def qwen25_32b_grpo_lora() -> Config:
     """
     cfg = qwen25_32b_grpo()
     cfg.parallel.tp = 4
-    cfg.lora = LoRAConfig(rank=64, alpha=128)
     cfg.optimizer.state_dtype = "fp32"
-    cfg.optimizer.lr = cfg.optimizer.min_lr = 1e-5  # LoRA takes about 10x the full model's learning rate
-    return cfg
+    return with_lora(cfg)

@@ -1,9 +1,10 @@
 """Tiny models on the built-in arithmetic task: fast on a 2-core CPU, used by the demo and tests."""
 
-from megatron_rl.config import (AlgorithmConfig, CheckpointConfig, Config, DataConfig, DistillConfig, LoRAConfig,
-                                ModelConfig, OptimizerConfig, PPOConfig, RolloutConfig, SchedulerConfig, TrainConfig)
+from megatron_rl.config import (AlgorithmConfig, CheckpointConfig, Config, DataConfig, DistillConfig, ModelConfig,
+                                OptimizerConfig, PPOConfig, RolloutConfig, SchedulerConfig, TrainConfig)
 
 from . import register
+from .common import with_lora
 
 THREADS = 1
 """CPU threads the tiny recipes run with: their end points depend on it, and on the machine's GEMM
@@ -311,11 +312,8 @@ def tiny_mopd() -> Config:
 
 
 def _with_lora(cfg: Config, lr: float) -> Config:
-    """Rank-8 adapters (alpha 16) on every attention and MLP projection, the base frozen: LoRA takes a larger
-    learning rate than the whole model."""
-    cfg.lora = LoRAConfig(rank=8, alpha=16)
-    cfg.optimizer.lr, cfg.optimizer.min_lr = lr, lr / 10
-    return cfg
+    """Rank-8 adapters (alpha 16), the learning rate decaying to a tenth."""
+    return with_lora(cfg, rank=8, alpha=16, lr=lr, min_lr=lr / 10)
 
 
 @register

@@ -104,22 +104,13 @@ def main(argv=None) -> int:
                     shutil.rmtree(out)
                 os.replace(tmp, out)
         else:
-            if args.merge_lora:  # a LoRA checkpoint holds its adapters alone: its base first
-                from megatron_rl.training.lora import base_checksum, check_base
-                from megatron_rl.training.setup import load_base
-
-                base = checkpointing.saved_lora(args.megatron)["base"]
-                ours = checkpointing.is_ours(base["path"])
-                load_base(chunks, cfg, base["path"] if ours else "", "" if ours else base["path"])
-                check_base(base_checksum(chunks, model), base, args.megatron)
-            checkpointing.load_weights(chunks, args.megatron, model.head, cfg.lora)
             if args.adapter_only:
                 from megatron_rl.hf.peft import export_peft
+                checkpointing.load_weights(chunks, args.megatron, model.head, cfg.lora)
                 export_peft(chunks, model, cfg.lora, out, overwrite=args.overwrite)
-            else:
-                if args.merge_lora:
-                    from megatron_rl.training.lora import merge
-                    merge(chunks)
+            else:  # a LoRA checkpoint: its base (checked), then its adapters merged into it, as training loads it
+                from megatron_rl.training.setup import load_base
+                load_base(chunks, cfg, args.megatron)
                 export_hf(chunks, model, out, assets=Path(args.megatron) / checkpointing.ASSETS,
                           dtype=DTYPES.get(args.dtype), max_shard_bytes=parse_size(args.max_shard_size),
                           overwrite=args.overwrite)

@@ -235,9 +235,9 @@ def adapters_off(chunks: list):
             m.enabled = True
 
 
-def parameter_counts(chunks: list, model_cfg) -> tuple[int, int]:
-    """(trainable, all) parameters of the whole model: every tensor once, at its full size, whatever the
-    layout (gathered by canonical name over all ranks)."""
+def _per_shard(chunks: list, model_cfg, value) -> dict[tuple[str, int], object]:
+    """value(name, parameter) of every shard of every canonical tensor, gathered from all ranks and keyed by
+    (canonical name, shard): the copies on other data- and context-parallel ranks collapse into one."""
     import torch.distributed as dist
 
     from megatron_rl.checkpointing import unwrap
@@ -247,11 +247,16 @@ def parameter_counts(chunks: list, model_cfg) -> tuple[int, int]:
     for chunk in chunks:
         for name, p in unwrap(chunk).named_parameters():
             full, place = canonical(name, p, chunk, model_cfg)
-            mine[full] = (p.numel() * (place.size if place.dim is not None else 1), p.requires_grad)
+            mine[(full, place.rank if place.dim is not None else 0)] = value(name, p)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    merged = {k: v for d in every for k, v in d.items()}
-    return sum(n for n, t in merged.values() if t), sum(n for n, _ in merged.values())
+    return {k: v for d in every for k, v in d.items()}
+
+
+def parameter_counts(chunks: list, model_cfg) -> tuple[int, int]:
+    """(trainable, all) parameters of the whole model: every tensor once, whatever the layout."""
+    shards = _per_shard(chunks, model_cfg, lambda _, p: (p.numel(), p.requires_grad)).values()
+    return sum(n for n, trained in shards if trained), sum(n for n, _ in shards)
 
 
 def merge(chunks: list):
@@ -281,27 +286,15 @@ def _based(chunk):
 def base_checksum(chunks: list, model_cfg) -> dict[str, list[float]]:
     """Per canonical tensor of the base (every parameter but the adapters): its sum and sum of squares in
     float64, over all ranks; the same (to rounding) at any layout."""
-    import torch.distributed as dist
+    def moments(name, p):
+        x = p.detach().double()
+        return None if is_adapter(name) else [x.sum().item(), (x * x).sum().item()]
 
-    from megatron_rl.checkpointing import unwrap
-    from megatron_rl.hf.weights import canonical
-
-    mine = {}
-    for chunk in chunks:
-        for name, p in unwrap(chunk).named_parameters():
-            if is_adapter(name):
-                continue
-            full, place = canonical(name, p, chunk, model_cfg)
-            x = p.detach().double()
-            mine[(full, place.rank if place.dim is not None else 0)] = [x.sum().item(), (x * x).sum().item()]
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    shards = {k: v for d in every for k, v in d.items()}  # copies on other DP/TP ranks collapse
     out = {}
-    for (name, _), (total, squares) in sorted(shards.items()):
-        out.setdefault(name, [0.0, 0.0])
-        out[name][0] += total
-        out[name][1] += squares
+    for (name, _), pair in sorted(_per_shard(chunks, model_cfg, moments).items()):
+        if pair is not None:
+            total = out.setdefault(name, [0.0, 0.0])
+            total[0], total[1] = total[0] + pair[0], total[1] + pair[1]
     return out
 
 

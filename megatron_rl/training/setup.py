@@ -166,13 +166,14 @@ def load_initial_state(trainee: Trainee, cfg: Config, run_dir):
     if latest is None and cfg.checkpoint.resume is True:
         raise ConfigError(f"checkpoint.resume=true but {run_dir} has no complete checkpoint to resume from; use "
                           "checkpoint.resume=auto to start fresh when there is none.")
-    if cfg.lora.rank and (latest is None or checkpointing.saved_lora(latest)):
+    saved = checkpointing.saved_lora(latest) if latest is not None else None
+    if cfg.lora.rank and (latest is None or saved):
         load_base(trainee.model, cfg, cfg.checkpoint.load, cfg.model.hf_path)
         source = cfg.checkpoint.load or cfg.model.hf_path
         trainee.base = {"path": str(Path(source).resolve()) if source else "",
                         "checksum": lora.base_checksum(trainee.model, cfg.model)}
         if latest is not None:
-            lora.check_base(trainee.base["checksum"], checkpointing.saved_lora(latest)["base"], latest)
+            lora.check_base(trainee.base["checksum"], saved["base"], latest)
     if latest is not None:
         return latest, checkpointing.load(trainee, latest)
     if not cfg.lora.rank:
