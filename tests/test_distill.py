@@ -115,7 +115,7 @@ def test_teacher_topk_at_tp2_equals_one_process(tmp_path):
 def sft_checkpoint(sft_run):
     from megatron_rl.checkpointing import checkpoint_dir
 
-    return checkpoint_dir(sft_run, 800)
+    return checkpoint_dir(sft_run, 2000)
 
 
 def _distill(sft_checkpoint, run_dir, *extra, nproc=1):

@@ -20,7 +20,7 @@ QUICK = ["train.eval_every=0", "logging.progress=false", "logging.tensorboard=fa
 
 @pytest.fixture(scope="module")
 def sft_checkpoint(sft_run):
-    return checkpoint_dir(sft_run, 800)
+    return checkpoint_dir(sft_run, 2000)
 
 
 @pytest.fixture(scope="module")

@@ -86,7 +86,7 @@ COMPARED = ["train/value_loss", "train/critic_grad_norm", "train/explained_varia
 def sft_checkpoint(sft_run):
     from megatron_rl.checkpointing import checkpoint_dir
 
-    return checkpoint_dir(sft_run, 800)
+    return checkpoint_dir(sft_run, 2000)
 
 
 def _ppo(sft_checkpoint, run_dir, *extra, nproc=1):

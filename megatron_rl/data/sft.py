@@ -196,18 +196,15 @@ class Batches:
     def next(self) -> dict[str, torch.Tensor]:
         idx = []
         pos = self.consumed
-        while len(idx) < self.gbs:
+        while pos < self.consumed + self.gbs:  # across an epoch's end: the rest of it, then the next one's start
             epoch, offset = divmod(pos, self.n)
-            take = min(self.gbs - len(idx), self.n - offset)
+            take = min(self.consumed + self.gbs - pos, self.n - offset)
             idx.append(self._order(epoch)[offset : offset + take])
             pos += take
         self.consumed = pos
         # Every dp_size-th sample, starting at this rank's: a contiguous part of the global batch (a GRPO
         # minibatch) then consists of the same contiguous part of each rank's share, at any DP size.
-        # (Known bug, kept until the learning tests are recalibrated: the loop counts chunks, not samples, so
-        # `consumed` moves by gbs + (gbs - 1) + ... + 1 per batch; each batch is still gbs fresh samples of the
-        # epoch's permutation, but most of each epoch is skipped.)
-        mine = torch.cat(idx)[: self.gbs][self.dp_rank :: self.dp_size]
+        mine = torch.cat(idx)[self.dp_rank :: self.dp_size]
         return {k: v[mine] for k, v in self.data.items()}
 
     def state_dict(self) -> dict:
