@@ -148,12 +148,16 @@ def test_distill_layouts_match_single_process(layout, single, sft_checkpoint, tm
     """The same samples, the same teacher top-k, the same loss and gradient norm at every layout."""
     _distill(sft_checkpoint, tmp_path, "distill.topk=4", "distill.kl_type=mixed", "rollout.top_k=1", *layout, nproc=processes(layout))
     assert column(tmp_path, "rollout/response_len_mean") == column(single, "rollout/response_len_mean")
-    assert column(tmp_path, "train/loss") == pytest.approx(column(single, "train/loss"), rel=1e-5)
-    assert column(tmp_path, "train/grad_norm") == pytest.approx(column(single, "train/grad_norm"), rel=1e-5)
+    # TP2's row-parallel sums round differently from one process's (about 1e-7 per logit); the KL, a small
+    # difference of two larger terms, and its gradient carry that up to 3.5e-5 relative (measured from the
+    # 2000-step tiny_sft: loss 0.0143285 against 0.0143280). PP2, DP2 and CP2 agree within 1.1e-6.
+    rel = 5e-5 if "parallel.tp=2" in layout else 1e-5
+    assert column(tmp_path, "train/loss") == pytest.approx(column(single, "train/loss"), rel=rel)
+    assert column(tmp_path, "train/grad_norm") == pytest.approx(column(single, "train/grad_norm"), rel=rel)
 
 
-# Calibrated on rollout seeds 0, 1, 2 from tiny_sft's run (63.3%, one thread): the teacher (100 steps on
-# clean data) reaches 91.4%; the student after 40 steps 85.0%, 84.6%, 85.4% (+21.7, +21.3, +22.1 points).
+# Calibrated on rollout seeds 0, 1, 2 from the 2000-step tiny_sft (66.2%, one thread): the teacher (100 steps on
+# clean data) reaches 87.7%; the student after 40 steps 87.7%, 88.3%, 86.9% (+21.5, +22.1, +20.7 points).
 TEACHER_STEPS, DISTILL_STEPS, GAIN = 100, 40, 0.15
 
 
@@ -316,9 +320,10 @@ def test_xtoken_layouts_match_single_process(layout, xtoken_single, sft_checkpoi
     assert column(xtoken_single, "train/loss")[0] > 0
 
 
-# Calibrated on rollout seeds 0, 1, 2 (one thread) against tiny_bpe_teacher after 2 steps: the mean chunk loss
-# after 10 steps is 0.155, 0.152, 0.163 of the first step's.
-XTOKEN_STEPS, XTOKEN_RATIO = 10, 0.3
+# Calibrated on rollout seeds 0, 1, 2 (one thread) from the 2000-step tiny_sft against tiny_bpe_teacher after 2
+# steps: the mean chunk loss after 20 steps is 0.186, 0.207, 0.172 of the first step's (after 10 of a 10-step
+# run, 0.30 on seed 0).
+XTOKEN_STEPS, XTOKEN_RATIO = 20, 0.3
 
 
 def test_tiny_xtoken_student_learns_the_teachers_chunk_likelihoods(sft_checkpoint, bpe_teacher, tmp_path):
