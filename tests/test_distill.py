@@ -148,10 +148,12 @@ def test_distill_layouts_match_single_process(layout, single, sft_checkpoint, tm
     """The same samples, the same teacher top-k, the same loss and gradient norm at every layout."""
     _distill(sft_checkpoint, tmp_path, "distill.topk=4", "distill.kl_type=mixed", "rollout.top_k=1", *layout, nproc=processes(layout))
     assert column(tmp_path, "rollout/response_len_mean") == column(single, "rollout/response_len_mean")
-    # TP2's row-parallel sums round differently from one process's (about 1e-7 per logit); the KL, a small
-    # difference of two larger terms, and its gradient carry that up to 3.5e-5 relative (measured from the
-    # 2000-step tiny_sft: loss 0.0143285 against 0.0143280). PP2, DP2 and CP2 agree within 1.1e-6.
-    rel = 5e-5 if "parallel.tp=2" in layout else 1e-5
+    # TP2's row-parallel sums round differently from one process's (about 1e-7 per logit). The teacher is the
+    # student's own start, so the KL is small (0.014; 3e-4 with kl_type=forward) and that rounding is large
+    # against it, more so through the reverse part's -100 for mass outside the top-k: from the 2000-step
+    # tiny_sft, up to 3.5e-5 relative on the loss and 5.4e-5 on the second step's gradient norm (forward KL
+    # alone: 1.9e-5 and 4.8e-6). PP2, DP2 and CP2 agree within 1.1e-6.
+    rel = 1e-4 if "parallel.tp=2" in layout else 1e-5
     assert column(tmp_path, "train/loss") == pytest.approx(column(single, "train/loss"), rel=rel)
     assert column(tmp_path, "train/grad_norm") == pytest.approx(column(single, "train/grad_norm"), rel=rel)
 
