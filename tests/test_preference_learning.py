@@ -1,6 +1,7 @@
 """The preference recipes learn, shortened, from the shared tiny_sft run: tiny_dpo, tiny_rm (from scratch,
-with that run's own mistakes among its wrong answers) and GRPO against tiny_rm's scores. Thresholds were calibrated on 3 seeds (data.seed = train.seed = 0, 1, 2;
-one thread); the full-length runs' numbers are in the README."""
+with that run's own mistakes among its wrong answers) and GRPO against tiny_rm's scores. Thresholds were
+calibrated on 3 seeds (data.seed = train.seed = 0, 1, 2; one thread); the full-length runs' numbers are in
+the README."""
 
 import pytest
 

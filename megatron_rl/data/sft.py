@@ -188,17 +188,20 @@ class Batches:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.n = len(next(iter(data.values())))
         self.consumed = 0  # samples taken so far (over all DP ranks)
+        self._epoch = (-1, None)  # the current epoch and its permutation, drawn once per epoch
 
     def _order(self, epoch: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(self.n, generator=g)
+        if self._epoch[0] != epoch:
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            self._epoch = (epoch, torch.randperm(self.n, generator=g))
+        return self._epoch[1]
 
     def next(self) -> dict[str, torch.Tensor]:
         idx = []
-        pos = self.consumed
-        while pos < self.consumed + self.gbs:  # across an epoch's end: the rest of it, then the next one's start
+        pos, end = self.consumed, self.consumed + self.gbs
+        while pos < end:  # across an epoch's end: the rest of it, then the next one's start
             epoch, offset = divmod(pos, self.n)
-            take = min(self.consumed + self.gbs - pos, self.n - offset)
+            take = min(end - pos, self.n - offset)
             idx.append(self._order(epoch)[offset : offset + take])
             pos += take
         self.consumed = pos
