@@ -42,6 +42,12 @@ def run_train(args: list[str], nproc: int = 1, timeout: int = 600, check: bool =
     return proc
 
 
+def run_tool(script: str, args: list[str], nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+    """tools/<script> with args, as a user runs it (under torchrun for several ranks); not checked."""
+    cmd = [*(torchrun(nproc) if nproc > 1 else [sys.executable]), f"tools/{script}", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=launch_env(nproc), capture_output=True, text=True, timeout=timeout)
+
+
 def run_recipes(runs: list[list[str]], nproc: int = 1, timeout: int = 900) -> subprocess.CompletedProcess:
     """Several train.py argument lists run one after another in one process group
     (tests/scripts/run_recipes.py): start-up and imports are paid once."""

@@ -1,13 +1,15 @@
 """LoRA: adapters beside megatron's linear layers, one per projection of a fused layer; the reference is
 the model with its adapters off; the same losses and gradients at every layout; bad settings refused."""
 
+import json
+
 import pytest
 import torch
 
 from megatron_rl.checkpointing import checkpoint_dir
 from megatron_rl.config import Config, ConfigError
 from megatron_rl.training.lora import adapters_off as lora_off
-from tests.helpers import column, metrics, processes, run_recipes, run_train
+from tests.helpers import column, metrics, processes, run_recipes, run_tool, run_train
 
 pytestmark = pytest.mark.xdist_group("lora")  # the end-to-end tests share one module fixture
 
@@ -188,6 +190,10 @@ def test_lora_resumes_bitwise_and_a_stacked_stage_starts_from_the_merged_model(s
     full = run_train(["--recipe", "tiny_sft", *FAST, f"checkpoint.load={saved}", f"logging.run_dir={tmp_path / 'full'}"],
                      check=False)
     assert full.returncode == 2 and "holds LoRA adapters: continue from it with lora.rank=4" in full.stderr
+    evaluated = run_tool("eval.py", ["--checkpoint", str(split), "--data", str(split / "data" / "val.jsonl"),
+                                     "--out", str(tmp_path / "eval.json")])  # the adapters merged into their base
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    assert json.loads((tmp_path / "eval.json").read_text())["greedy_accuracy"] == column(split, "val/accuracy")[-1]
 
     other = tmp_path / "other"
     run_train(["--recipe", "tiny_sft", *FAST, "train.max_steps=1", "train.seed=7", "checkpoint.save=true",
@@ -200,13 +206,7 @@ def test_lora_resumes_bitwise_and_a_stacked_stage_starts_from_the_merged_model(s
 
 
 def _convert(*args):
-    import subprocess
-    import sys
-
-    from tests.helpers import ROOT, launch_env
-
-    return subprocess.run([sys.executable, "tools/convert_checkpoint.py", *args], cwd=ROOT, env=launch_env(),
-                          capture_output=True, text=True, timeout=300)
+    return run_tool("convert_checkpoint.py", list(args))
 
 
 def test_merged_and_peft_exports_match_the_adapter_model(one_process, tmp_path):

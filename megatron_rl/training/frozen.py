@@ -4,7 +4,7 @@ teacher, a reward model, the policy whose wrong answers become preference negati
 import dataclasses
 from pathlib import Path
 
-from megatron_rl.config import Config
+from megatron_rl.config import Config, LoRAConfig
 
 
 @dataclasses.dataclass
@@ -25,13 +25,13 @@ def freeze(chunks: list) -> list:
 
 def load_frozen(cfg: Config, path: str | Path, head: str | None = None, check=None) -> Frozen:
     """The model at `path` (our checkpoint or run directory, or a Hugging Face directory), built with
-    its own architecture in cfg's layout, weights loaded, frozen. check(model_config, path, tokenizer_dir)
+    its own architecture in cfg's layout, weights loaded (a LoRA checkpoint's merged into its base), frozen. check(model_config, path, tokenizer_dir)
     may raise (a ConfigError for the wrong kind of model) before anything is built."""
     import torch.distributed as dist
 
     from megatron_rl import checkpointing
     from megatron_rl.hf import import_hf, model_config_from_hf
-    from megatron_rl.training.setup import build_model
+    from megatron_rl.training.setup import build_model, load_base
 
     path = Path(path)
     is_hf = not checkpointing.is_ours(path)
@@ -42,11 +42,15 @@ def load_frozen(cfg: Config, path: str | Path, head: str | None = None, check=No
         model, tokenizer_dir = checkpointing.read_model_config(path), path / checkpointing.ASSETS
     if check is not None:
         check(model, path, tokenizer_dir)
-    own = dataclasses.replace(cfg, model=model)
+    saved = None if is_hf else checkpointing.saved_lora(path)
+    own = dataclasses.replace(cfg, model=model, lora=LoRAConfig(
+        rank=saved["rank"], alpha=saved["alpha"], targets=tuple(saved["targets"])) if saved else LoRAConfig())
     own.parallel.validate(dist.get_world_size(), model)
-    chunks, _ = build_model(own, wrap_ddp=False)
+    chunks, _ = build_model(own, wrap_ddp=False, adapters=bool(saved))
     if is_hf:
         import_hf(chunks, model, path)
+    elif saved:  # adapters alone: its base first, then the adapters merged into it
+        load_base(chunks, own, checkpoint=str(path))
     else:
         checkpointing.load_weights(chunks, path, head=head or model.head)
     return Frozen(freeze(chunks), model, tokenizer_dir)
