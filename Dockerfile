@@ -12,6 +12,13 @@ FROM ${BASE_IMAGE}
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 WORKDIR /opt/megatron-rl
 
+# bubblewrap: the sandbox that runs a code tool's programs (megatron_rl/environments/sandbox.py), at
+# the version of the image's own Ubuntu release.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends bubblewrap \
+    && rm -rf /var/lib/apt/lists/*
+
 # Every package the image ships, pinned at its installed version: pip may add packages, never
 # change these (torch, transformer-engine, apex, flash-attn, nccl ...).
 RUN pip list --format=freeze > /opt/image-constraints.txt

@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo demo-moe demo-preference demo-distill test install test-fast clean slurm
+.PHONY: demo demo-moe demo-preference demo-distill test install test-fast clean system
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,16 +39,19 @@ demo-distill: install
 	$(BIN)/python train.py --recipe tiny_teacher
 	$(BIN)/python train.py --recipe tiny_distill
 
-# A local Slurm for tests/test_slurm.py: Debian's slurm-wlm and munge, installed as root where
-# apt-get exists (elsewhere that test skips and says why).
-slurm:
-	@if [ ! -x /usr/sbin/slurmctld ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+# System packages some tests use, from Debian, installed as root where apt-get exists (elsewhere those
+# tests skip and say why): slurm-wlm and munge for a local Slurm (tests/test_slurm.py), bubblewrap for
+# the sandbox that runs a code tool's programs (tests/test_sandbox.py).
+system:
+	@missing=""; [ -x /usr/sbin/slurmctld ] || missing="slurm-wlm munge"; \
+	 command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
+	 if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-	   slurm-wlm munge) >/dev/null 2>&1 || echo "could not install slurm-wlm and munge: tests/test_slurm.py will skip"; fi
+	   $$missing) >/dev/null 2>&1 || echo "could not install$$missing: the tests that need them will skip"; fi
 
 # Two workers: many tests wait on process start-up and imports, so two share the two cores well.
 # Tests that start from the shared tiny_sft run form one xdist group (one worker trains it).
-test: install slurm
+test: install system
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15 tests
 
 test-fast: install

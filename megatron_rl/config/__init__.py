@@ -17,9 +17,10 @@ from .parallel import ParallelConfig
 from .ppo import PPOConfig
 from .rollout import RewardsConfig, RolloutConfig
 from .run import CheckpointConfig, LoggingConfig, ProfilingConfig
+from .sandbox import SandboxConfig
 from .train import FP8Config, TrainConfig
 from .tree import Config
 
 __all__ = ["AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistillConfig", "FP8Config", "LoggingConfig", "LoRAConfig",
            "MOVED", "ModelConfig", "OptimizerConfig", "ParallelConfig", "PPOConfig", "ProfilingConfig", "RewardsConfig",
-           "RolloutConfig", "SchedulerConfig", "TrainConfig", "all_keys", "apply_overrides", "from_dict"]
+           "RolloutConfig", "SandboxConfig", "SchedulerConfig", "TrainConfig", "all_keys", "apply_overrides", "from_dict"]

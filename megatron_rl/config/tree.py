@@ -17,6 +17,7 @@ from .parallel import ParallelConfig
 from .ppo import PPOConfig
 from .rollout import RewardsConfig, RolloutConfig
 from .run import CheckpointConfig, LoggingConfig, ProfilingConfig
+from .sandbox import SandboxConfig
 from .train import FP8Config, TrainConfig
 
 
@@ -34,6 +35,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -59,6 +61,7 @@ class Config:
                 f"rank times tp with sequence parallelism; change data.seq_length or parallel.cp/tp.")
         self._validate_packing()
         self.lora.validate()
+        self.sandbox.validate()
         if self.lora.rank % self.parallel.tp:
             raise ConfigError(f"lora.rank={self.lora.rank} must be divisible by parallel.tp={self.parallel.tp} (the "
                               f"adapters of column-parallel layers split their rank over tensor-parallel ranks).")

@@ -21,3 +21,6 @@ def exact_match_parts(prompt: str, completion: str, metadata: dict) -> dict:
     all), for multi-reward methods such as GDPO."""
     text = completion.strip()
     return {"correct": exact_match(prompt, completion, metadata), "digits": float(text.isdigit())}
+
+
+BUILTIN = {"exact_match": exact_match, "exact_match_parts": exact_match_parts, "math": math_answer}

@@ -1,0 +1,78 @@
+"""A sliding puzzle: an n x n board of tiles 1 .. n*n-1 and one empty cell (0), written row by row with
+a space between rows ('12 30' is the 2 x 2 board with the empty cell at the bottom right, which is
+solved: '12 30'). Each turn the model moves the empty cell with <action>up</action> (or down, left,
+right; generation stops at </action>). A valid move is answered with the new board in <board>...</board>;
+an invalid one (no action, an unknown direction, or off the board) with the same board and a hint, the
+episode going on. Solving it ends the episode with reward 1; the rollout's turn limit ends it with 0.
+
+Boards are made by random legal moves from the solved one, so every board is solvable."""
+
+import random
+import re
+
+from . import Environment, Turn, last_of
+
+MOVES = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
+OPPOSITE = {"up": "down", "down": "up", "left": "right", "right": "left"}
+ACTION = re.compile(r"<action>(.*?)</action>\s*$", re.S)
+
+
+def solved(size: int) -> str:
+    cells = [str(i) for i in range(1, size * size)] + ["0"]
+    return " ".join("".join(cells[r * size:(r + 1) * size]) for r in range(size))
+
+
+def move(board: str, direction: str) -> str | None:
+    """The board after moving the empty cell, or None when the move leaves the board."""
+    rows = [list(r) for r in board.split(" ")]
+    size = len(rows)
+    r, c = next((i, row.index("0")) for i, row in enumerate(rows) if "0" in row)
+    dr, dc = MOVES[direction]
+    if not (0 <= r + dr < size and 0 <= c + dc < size):
+        return None
+    rows[r][c], rows[r + dr][c + dc] = rows[r + dr][c + dc], "0"
+    return " ".join("".join(row) for row in rows)
+
+
+def scramble(size: int, depth: int, rng: random.Random) -> str:
+    """A board `depth` random legal moves from the solved one (never undoing the last move), not solved."""
+    while True:
+        board, last = solved(size), None
+        for _ in range(depth):
+            options = [d for d in MOVES if d != OPPOSITE.get(last) and move(board, d) is not None]
+            last = rng.choice(options)
+            board = move(board, last)
+        if board != solved(size):
+            return board
+
+
+def rows(n: int, size: int, depth: int, seed: int) -> list[dict]:
+    """n prompt rows: {'prompt', 'board'}."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        board = scramble(size, depth, rng)
+        out.append({"prompt": f"<board>{board}</board>", "board": board})
+    return out
+
+
+class SlidingPuzzle(Environment):
+    stop = ["</action>"]
+
+    def __init__(self, cfg=None):
+        pass
+
+    def step_one(self, conversation, metadata):
+        board = metadata["board"]
+        found = ACTION.search(last_of(conversation, "assistant"))
+        direction = found.group(1).strip().lower() if found else None
+        after = move(board, direction) if direction in MOVES else None
+        if after is None:
+            why = ("write one move as <action>up</action> (or down, left, right)" if direction not in MOVES else
+                   f"the empty cell cannot move {direction} from here")
+            return Turn(reward=0.0, done=False, observation=f"<board>{board}</board> invalid: {why}", stop=self.stop)
+        size = len(board.split(" "))
+        if after == solved(size):
+            return Turn(reward=1.0, done=True, answer=after, metadata={**metadata, "board": after})
+        return Turn(reward=0.0, done=False, observation=f"<board>{after}</board>", stop=self.stop,
+                    metadata={**metadata, "board": after})

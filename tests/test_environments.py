@@ -1,0 +1,146 @@
+"""Environments: the contract every environment is run through, per-episode isolation of failures,
+the code tool in its sandbox, the sliding puzzle, and loading by name."""
+
+import random
+import time
+from collections import deque
+
+import pytest
+
+from megatron_rl.config import Config, ConfigError
+from megatron_rl.environments import (EnvRunner, Environment, RewardEnvironment, Turn, check_environment,
+                                      load_environment)
+from megatron_rl.environments import puzzle
+from megatron_rl.environments.sandbox import isolation
+
+
+def episode(prompt, *turns):
+    """A conversation: the prompt, then the model's turns and the environment's answers alternating."""
+    roles = ["assistant", "environment"]
+    return [{"role": "user", "content": prompt}] + [{"role": roles[i % 2], "content": t} for i, t in enumerate(turns)]
+
+
+def test_a_reward_function_is_a_single_turn_environment():
+    env = load_environment("exact_match")
+    turns = check_environment(env, [episode("1+2=", " 3"), episode("1+2=", "4"), episode("1+2=", "")],
+                              [{"answer": "3"}] * 3)
+    assert [(t.reward, t.done, t.answer) for t in turns] == [(1.0, True, "3"), (0.0, True, "4"), (0.0, True, None)]
+    assert isinstance(load_environment("tests.test_environments:_reward"), RewardEnvironment)
+
+
+def _reward(prompt, completion, metadata):
+    return 1.0
+
+
+class Flaky(Environment):
+    """Each episode's metadata says how its step misbehaves."""
+
+    def __init__(self, cfg=None):
+        pass
+
+    def step_one(self, conversation, metadata):
+        kind = metadata["kind"]
+        if kind == "raise":
+            raise RuntimeError("broken episode")
+        if kind == "hang":
+            time.sleep(60)
+        if kind == "not a turn":
+            return 1.0
+        if kind == "nan":
+            return Turn(reward=float("nan"))
+        if kind == "bad stop":
+            return Turn(done=False, observation="x", stop="</code>")
+        return Turn(reward=1.0, done=kind == "done", observation="" if kind == "done" else "more")
+
+
+class WrongCount(Environment):
+    batched = True
+
+    def __init__(self, cfg=None):
+        pass
+
+    def step(self, conversations, metadata):
+        return [Turn()] * (len(conversations) + 1)
+
+
+def test_a_step_that_raises_hangs_or_returns_garbage_ends_only_its_episode():
+    env = load_environment("tests.test_environments:Flaky")
+    runner = EnvRunner(env, timeout=1.0)
+    kinds = ["done", "raise", "go on", "hang", "not a turn", "nan", "bad stop", "done"]
+    start = time.monotonic()
+    stepped = runner.step([episode("p", "c")] * len(kinds), [{"kind": k} for k in kinds])
+    runner.close()
+    assert time.monotonic() - start < 15
+    assert [(t.reward, t.done) for t in stepped.turns] == [
+        (1.0, True), (0.0, True), (1.0, False), (0.0, True), (0.0, True), (0.0, True), (0.0, True), (1.0, True)]
+    assert stepped.turns[2].observation == "more" and stepped.failures == 5
+    assert stepped.errors[:2] == ["sample 1: RuntimeError: broken episode", "sample 3: no result within 1 s"]
+    with pytest.raises(ValueError, match="returned 3 turns for 2 episodes; its step must return one Turn per episode"):
+        EnvRunner(WrongCount()).step([episode("p", "c")] * 2, [{}] * 2)
+    with pytest.raises(AssertionError, match="returned 3 turns for 2 episodes"):
+        check_environment(WrongCount(), [episode("p", "c")] * 2, [{}] * 2)
+
+
+def test_unknown_environments_are_refused_in_one_sentence():
+    with pytest.raises(ConfigError, match="is neither a built-in .*code, sliding_puzzle.* nor 'module:function'"):
+        load_environment("no_such_env")
+    with pytest.raises(ConfigError, match="cannot be loaded"):
+        load_environment("tests.test_environments:Nothing")
+
+
+@pytest.mark.skipif(isolation() != "root", reason="the code tool's sandbox needs root and bubblewrap here")
+def test_code_tool_runs_programs_in_the_sandbox():
+    cfg = Config()
+    cfg.sandbox.timeout_s = 2
+    env = load_environment("code", cfg)
+    assert env.stop == ["</code>"]
+    turns = check_environment(env, [
+        episode("123*456=", "<code>print(123*456)</code>"),
+        episode("123*456=", "<code>while True: pass</code>"),
+        episode("123*456=", "<code>print(1)</code>", "<result>1</result>", "56088"),
+        episode("123*456=", "56000"),
+        episode("123*456=", "<code>print('x' * 1000)</code>"),
+    ], [{"answer": "56088"}] * 5)
+    assert (turns[0].observation, turns[0].done, turns[0].stop) == ("<result>56088</result>", False, ["</code>"])
+    assert turns[1].observation.startswith("<result>error: the program did not finish within") and not turns[1].done
+    assert (turns[2].reward, turns[2].done, turns[2].answer) == (1.0, True, "56088")
+    assert (turns[3].reward, turns[3].done) == (0.0, True)
+    assert len(turns[4].observation) == len("<result></result>") + env.max_result_chars
+
+
+def shortest_solution(board: str) -> int:
+    size = len(board.split(" "))
+    seen, queue = {board}, deque([(board, 0)])
+    while queue:
+        b, d = queue.popleft()
+        if b == puzzle.solved(size):
+            return d
+        for m in puzzle.MOVES:
+            after = puzzle.move(b, m)
+            if after is not None and after not in seen:
+                seen.add(after)
+                queue.append((after, d + 1))
+    raise AssertionError(f"{board} cannot be solved")
+
+
+def test_sliding_puzzle_boards_moves_and_rewards():
+    assert puzzle.solved(2) == "12 30" and puzzle.solved(3) == "123 456 780"
+    rng = random.Random(0)
+    for size, depth in ((2, 3), (3, 4), (3, 12)):
+        for _ in range(20):
+            board = puzzle.scramble(size, depth, rng)
+            assert 0 < shortest_solution(board) <= depth  # solvable, never already solved
+    assert puzzle.rows(3, 3, 4, seed=5) == puzzle.rows(3, 3, 4, seed=5)
+
+    env = load_environment("sliding_puzzle")
+    board = "12 03"  # one move from solved: the empty cell moves right
+    turns = check_environment(env, [episode(f"<board>{board}</board>", "<action>right</action>"),
+                                    episode("", "<action>up</action>"),
+                                    episode("", "<action>left</action>"),
+                                    episode("", "I would move it right")], [{"board": board}] * 4)
+    assert (turns[0].reward, turns[0].done, turns[0].metadata["board"]) == (1.0, True, "12 30")
+    assert (turns[1].reward, turns[1].done, turns[1].observation) == (0.0, False, "<board>02 13</board>")
+    assert turns[1].metadata == {"board": "02 13"} and turns[1].stop == ["</action>"]
+    assert turns[2].observation == "<board>12 03</board> invalid: the empty cell cannot move left from here"
+    assert turns[3].observation.endswith("invalid: write one move as <action>up</action> (or down, left, right)")
+    assert not turns[2].done and not turns[3].done and turns[3].metadata is None
