@@ -89,3 +89,23 @@ def worst_logprob_mismatch(engine, chunk, prompts: list[list[int]], seeds, vocab
             expected = logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
             worst = max(worst, (torch.tensor(logprobs) - expected).abs().max().item())
     return worst
+
+
+def random_char_engine(tmp_path, max_new_tokens: int, stop: tuple = ()):
+    """A random model over the characters of sums (init std 0.5: it samples widely) and the rollout
+    engine on it, in this process (needs the one_process fixture): (tokenizer, model chunks, engine)."""
+    import torch
+
+    from megatron_rl.config import Config
+    from megatron_rl.data.tokenizer import build_char_tokenizer
+    from megatron_rl.rollout.engine import RolloutEngine
+    from megatron_rl.training.setup import build_model
+
+    tok = build_char_tokenizer("0123456789+=", tmp_path / "tok")
+    cfg = Config()
+    cfg.model.vocab_size = len(tok)
+    cfg.model.init_method_std = 0.5
+    cfg.rollout.max_new_tokens = max_new_tokens
+    cfg.rollout.stop = list(stop)
+    chunks, _ = build_model(cfg, wrap_ddp=False)
+    return tok, chunks, RolloutEngine(chunks, cfg.model, tok, cfg.rollout, torch.float32)

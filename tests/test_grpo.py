@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_rl.checkpointing import checkpoint_dir
-from tests.helpers import ROOT, column, launch_env, metrics, processes, run_train, torchrun
+from tests.helpers import ROOT, column, launch_env, metrics, processes, random_char_engine, run_train, torchrun
 
 pytestmark = pytest.mark.xdist_group("tiny_sft")  # one worker trains the shared tiny_sft run
 
@@ -252,19 +252,7 @@ def test_sampler_top_k_top_p_and_temperature(one_process, tmp_path):
 
 
 def test_stop_strings_and_truncation(one_process, tmp_path):
-    from megatron_rl.config import Config
-    from megatron_rl.data.tokenizer import build_char_tokenizer
-    from megatron_rl.rollout.engine import RolloutEngine
-    from megatron_rl.training.setup import build_model
-
-    tok = build_char_tokenizer("0123456789+=", tmp_path / "tok")
-    cfg = Config()
-    cfg.model.vocab_size = len(tok)
-    cfg.model.init_method_std = 0.5  # a random model that samples widely
-    cfg.rollout.max_new_tokens = 8
-    cfg.rollout.stop = ["7"]
-    chunks, _ = build_model(cfg, wrap_ddp=False)
-    engine = RolloutEngine(chunks, cfg.model, tok, cfg.rollout, torch.float32)
+    tok, _, engine = random_char_engine(tmp_path, max_new_tokens=8, stop=("7",))
     out = engine.generate([[tok.bos_token_id, 3, 4]], n=40, seed=3)
     texts = [tok.decode(c) for c in out.completions]
     stopped = [t for t in texts if "7" in t]

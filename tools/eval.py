@@ -12,8 +12,9 @@ run's config.json). A sample is correct when its reward is at least 1, as val/ac
 - greedy accuracy: one greedy completion per prompt (what GRPO's validation logs as val/accuracy).
 - pass@k: the unbiased estimator 1 - C(n-c, k) / C(n, k) over n samples per prompt, c of them correct.
 - maj@k: majority vote over the answers (the completion's text stripped; for rewards.fn=math the last
-  \\boxed{...}), averaged exactly over all C(n, k) subsets of k samples; a tie between t answers counts
-  (correct among them) / t, breaking it at random in expectation.
+  \\boxed{...}; with an environment, the answer it extracted), averaged exactly over all C(n, k)
+  subsets of k samples; a tie between t answers counts (correct among them) / t, breaking it at
+  random in expectation.
 
 Sampling is reproducible for a given --seed, layout and --batch-prompts (the engine draws one number
 per active request and step). Results go to --out as JSON (with the sampling settings, seed and
@@ -45,6 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, help="top-k sampling (default: the run's, else off)")
     p.add_argument("--max-new-tokens", type=int, help="default: the run's rollout.max_new_tokens, else 256")
     p.add_argument("--stop", help="comma-separated stop strings (default: the run's)")
+    p.add_argument("--max-turns", type=int, help="turns per episode with a multi-turn environment (default: the run's)")
     p.add_argument("--reward", help="reward function, as rewards.fn (default: the run's validation reward, else "
                                     "exact_match)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
@@ -85,7 +87,7 @@ def run_config(args):
     cfg.parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep)
     cfg.lora.rank = 0
     r = cfg.rollout
-    for name in ("temperature", "top_p", "top_k", "max_new_tokens"):
+    for name in ("temperature", "top_p", "top_k", "max_new_tokens", "max_turns"):
         if getattr(args, name) is not None:
             setattr(r, name, getattr(args, name))
     if args.stop is not None:
@@ -126,21 +128,34 @@ def answer_of(reward: str, completion: str):
     return text or None
 
 
-def generate_all(engine, scorer, tokenizer, prompts, metadata, n, seed, batch, greedy, bar, answer):
-    """This rank's prompts in batches: per prompt, its n samples as (completion text, reward, answer)."""
+def generate_all(engine, scorer, tokenizer, prompts, metadata, n, seed, batch, greedy, bar, answer, cfg):
+    """This rank's prompts in batches: per prompt, its n samples as (completion text, reward, answer);
+    with a multi-turn environment, episodes (the text holds the environment's observations too)."""
+    from megatron_rl.rewards import combine
+    from megatron_rl.rollout.episodes import is_multi_turn, run_episodes
     from megatron_rl.rollout.evaluate import decode
 
     out = []
     for b in range(0, len(prompts), batch):
         ids, meta = prompts[b:b + batch], metadata[b:b + batch]
-        rollout = engine.generate(ids, n=n, seed=seed + 1000003 * (b // batch), greedy=greedy)
-        texts = decode(tokenizer, ids)
-        completions = decode(tokenizer, rollout.completions)
-        each = range(len(completions))
-        rewards = scorer.score([texts[i // n] for i in each], completions, [meta[i // n] for i in each],
-                               ids=(rollout.prompts, rollout.completions)).rewards
+        seed_b = seed + 1000003 * (b // batch)
+        if is_multi_turn(cfg, scorer):
+            episodes = run_episodes(engine, scorer.runner, tokenizer, ids, meta, n, seed_b, cfg.rollout.max_turns,
+                                    cfg.rollout.max_sequence_length, greedy=greedy)
+            completions = decode(tokenizer, episodes.rollout.completions)
+            rewards = combine(episodes.rewards, scorer.weights).rewards
+            answers = episodes.answers
+        else:
+            rollout = engine.generate(ids, n=n, seed=seed_b, greedy=greedy)
+            texts = decode(tokenizer, ids)
+            completions = decode(tokenizer, rollout.completions)
+            each = range(len(completions))
+            rewards = scorer.score([texts[i // n] for i in each], completions, [meta[i // n] for i in each],
+                                   ids=(rollout.prompts, rollout.completions)).rewards
+            answers = [answer(c) for c in completions]
         for i in range(len(ids)):
-            out.append([(c, r, answer(c)) for c, r in zip(completions[i * n:(i + 1) * n], rewards[i * n:(i + 1) * n])])
+            span = slice(i * n, (i + 1) * n)
+            out.append(list(zip(completions[span], rewards[span], answers[span])))
         bar.update(len(ids))
     return out
 
@@ -199,7 +214,7 @@ def evaluate(args) -> dict:
             bar.update(0)
             results[name] = gather(generate_all(engine, scorer, tokenizer, mine, mine_meta, n, args.seed + rank,
                                                 args.batch_prompts, greedy, _Scaled(bar, size),
-                                                lambda c: answer_of(cfg.rewards.fn, c)),
+                                                lambda c: answer_of(cfg.rewards.fn, c), cfg),
                                    rank, size, len(prompts))
     scorer.close()
     seconds = time.perf_counter() - t0

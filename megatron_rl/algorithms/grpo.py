@@ -10,7 +10,8 @@ surrogate per token (clip-higher, dual clip) or per sequence (GSPO), or CISPO; o
 by p_train / p_rollout (mismatch correction). Its aggregation (token, sequence, constant) is a
 numerator and a denominator summed over the global batch, which megatron divides.
 
-PPO with a critic is this loop with algorithms/ppo.py's Critic. Left out here: multi-turn environments.
+PPO with a critic is this loop with algorithms/ppo.py's Critic. With a multi-turn environment each sample
+is an episode (rollout/episodes.py): its observations are part of the sequence, out of the loss.
 """
 
 import time
@@ -25,8 +26,9 @@ from megatron_rl import losses, platform
 from megatron_rl.config import Config, ConfigError
 from megatron_rl.data import rl as rl_data
 from megatron_rl.data.sft import Batches
-from megatron_rl.rewards import build_scorer
+from megatron_rl.rewards import build_scorer, combine
 from megatron_rl.rollout.engine import Rollout, RolloutEngine
+from megatron_rl.rollout.episodes import budget_of, is_multi_turn, run_episodes
 from megatron_rl.rollout.evaluate import decode, greedy_eval
 from megatron_rl.rollout.routing import RoutingTape, pack_routes, routes_queued
 from megatron_rl.training.logprobs import entropy, mask_padded_vocab, token_logprobs
@@ -134,12 +136,17 @@ class Scored:
 
 
 def score(cfg: Config, runner, tokenizer, prompts, metadata, rollout) -> Scored:
-    """Score a rollout; with rewards.overlong_buffer, DAPO's overlong penalty is added to the reward."""
+    """Score a rollout's single-turn samples."""
     n = len(rollout.completions) // max(len(prompts), 1)
     texts = decode(tokenizer, prompts)
     each = range(len(rollout.completions))
     scores = runner.score([texts[i // n] for i in each], decode(tokenizer, rollout.completions),
                           [metadata[i // n] for i in each], ids=(rollout.prompts, rollout.completions))
+    return shaped(cfg, prompts, metadata, rollout, scores)
+
+
+def shaped(cfg: Config, prompts, metadata, rollout, scores) -> Scored:
+    """A rollout with its scores; with rewards.overlong_buffer, DAPO's overlong penalty is added to the reward."""
     raw = torch.tensor(scores.rewards, dtype=torch.float)
     components = {k: torch.tensor(v, dtype=torch.float) for k, v in scores.components.items()}
     rewards = raw
@@ -159,13 +166,21 @@ def sample(cfg: Config, step: int, engine, runner, tokenizer, next_prompts, seed
     extra rounds, until as many informative groups as prompts per step are found (a batch still
     short is filled with uninformative groups, whose advantages are 0)."""
     a, r = cfg.algorithm, cfg.rollout
-    parts, rounds = [], 0
+    parts, rounds, episode_stats = [], 0, []
     while True:
         prompts, metadata = next_prompts()
-        rollout = engine.generate(prompts, n=r.n, seed=r.seed + step * 7919 + seed_offset + 104729 * rounds, tape=tape)
-        parts.append(score(cfg, runner, tokenizer, prompts, metadata, rollout))
+        seed = r.seed + step * 7919 + seed_offset + 104729 * rounds
+        if is_multi_turn(cfg, runner):
+            episodes = run_episodes(engine, runner.runner, tokenizer, prompts, metadata, r.n, seed, r.max_turns,
+                                    budget_of(cfg))
+            parts.append(shaped(cfg, prompts, metadata, episodes.rollout,
+                                combine(episodes.rewards, runner.weights, episodes.failures, episodes.errors)))
+            episode_stats.append(episodes.stats)
+        else:
+            rollout = engine.generate(prompts, n=r.n, seed=seed, tape=tape)
+            parts.append(score(cfg, runner, tokenizer, prompts, metadata, rollout))
         if not a.dynamic_sampling:
-            return parts[0], {}
+            return parts[0], episode_metrics(episode_stats, len(parts[0].rollout.completions))
         want = len(parts[0].prompts)
         informative = torch.cat([losses.informative_groups(p.raw, r.n) for p in parts])
         # Every data-parallel rank samples the same number of rounds: rollouts (expert parallelism) and
@@ -175,8 +190,25 @@ def sample(cfg: Config, step: int, engine, runner, tokenizer, next_prompts, seed
         rounds += 1
     scored = Scored.cat(parts)
     order = informative.nonzero().flatten().tolist() + (~informative).nonzero().flatten().tolist()
-    stats = {"rollout/dynamic_sampling_rounds": float(rounds), "rollout/dropped_groups": float((~informative).sum())}
+    stats = {"rollout/dynamic_sampling_rounds": float(rounds), "rollout/dropped_groups": float((~informative).sum()),
+             **episode_metrics(episode_stats, len(parts[0].rollout.completions))}
     return scored.select(sorted(order[:want]), r.n), stats
+
+
+def episode_metrics(stats: list[dict], count: int) -> dict:
+    """Multi-turn episodes' statistics of each sampling round (run_episodes' means over this rank's
+    `count` episodes) as means over the rounds and the data-parallel ranks, turns_max as the maximum
+    (rollout/truncated_frac is the loop's own, from the rollout's flags)."""
+    from megatron.core import parallel_state as ps
+
+    if not stats:
+        return {}
+    means = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]
+             if k not in ("rollout/turns_max", "rollout/truncated_frac")}
+    out = global_mean({k: v * count for k, v in means.items()}, count)
+    most = torch.tensor([max(s["rollout/turns_max"] for s in stats)])
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+    return {**out, "rollout/turns_max": most.item()}
 
 
 def everywhere(flag: bool) -> bool:
@@ -260,12 +292,15 @@ def run(cfg: Config, run_dir: Path, critic_class=None) -> dict:
         tape = RoutingTape(trainee.model, cfg.model.moe_topk, cfg.parallel.sp)
         ref_tape = RoutingTape(reference, cfg.model.moe_topk, cfg.parallel.sp) if reference is not None else None
     runner = build_scorer(cfg, cfg.rewards.fn, tokenizer)
+    if tape is not None and is_multi_turn(cfg, runner):
+        raise ConfigError(f"rewards.fn={cfg.rewards.fn} rolls out multi-turn episodes, which cannot record or replay an "
+                          "MoE model's routing yet (each turn prefills its episode again); use a dense model.")
     val_fn = cfg.rewards.val_fn or cfg.rewards.fn
     val_scorer = runner if val_fn == cfg.rewards.fn else build_scorer(cfg, val_fn, tokenizer)
     by_model = cfg.rewards.fn == "reward_model"
     log, prof = start_log(cfg, run_dir, step, latest, trainee)
     if step == 0 and val_prompts:  # the starting point, logged as step 0
-        log.log(0, greedy_eval(engine, val_scorer, tokenizer, val_prompts, val_meta))
+        log.log(0, greedy_eval(engine, val_scorer, tokenizer, val_prompts, val_meta, cfg))
 
     metrics = {}
     while step < cfg.train.max_steps:
@@ -282,7 +317,7 @@ def run(cfg: Config, run_dir: Path, critic_class=None) -> dict:
         t0 = time.perf_counter()
         with prof.range("logprob"):
             batch = rl_data.pack(rollout.prompts, rollout.completions, cfg.data.seq_length, tokenizer.pad_token_id,
-                                 rollout_logp=rollout.logprobs)
+                                 masks=rollout.masks or None, rollout_logp=rollout.logprobs)
             batch["index"] = torch.arange(len(rewards))
             if advantages is not None:
                 batch["advantages"] = advantages
@@ -325,7 +360,7 @@ def run(cfg: Config, run_dir: Path, critic_class=None) -> dict:
         is_last = step == cfg.train.max_steps
         if val_prompts and due(step, cfg.train.eval_every, is_last):
             with prof.range("eval"):
-                metrics.update(greedy_eval(engine, val_scorer, tokenizer, val_prompts, val_meta))
+                metrics.update(greedy_eval(engine, val_scorer, tokenizer, val_prompts, val_meta, cfg))
         log.log(step, metrics)
         if save_if_due(cfg, trainee, run_dir, step, is_last, stream.state_dict(), assets, log,
                        before=critic.save if critic else None):

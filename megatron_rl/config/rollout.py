@@ -21,6 +21,10 @@ class RolloutConfig:
     max_new_tokens: int = 16
     stop: list[str] = field(default_factory=list)
     """Stop strings (comma-separated on the command line); eos always stops."""
+    max_turns: int = 1
+    """Turns of the model per episode with a multi-turn environment (rewards.fn=code, sliding_puzzle...):
+    the environment's observation follows each turn, out of the loss, and the episode is one training
+    sequence of at most data.seq_length + 1 tokens."""
     seed: int = 0
     """Sampling seed; step s of a run samples with seed + s (and the data-parallel rank)."""
     max_sequence_length: int = 256
@@ -34,7 +38,7 @@ class RolloutConfig:
     """KV cache block size (paged attention)."""
 
     def validate(self):
-        positive(self, "n", "max_new_tokens", "max_requests", "max_tokens", "block_size_tokens")
+        positive(self, "n", "max_new_tokens", "max_requests", "max_tokens", "block_size_tokens", "max_turns")
         if self.top_k and self.top_p:
             raise ConfigError("rollout.top_k and rollout.top_p cannot both be set; pick one (0 turns one off).")
         if not 0.0 <= self.top_p <= 1.0 or self.temperature <= 0:

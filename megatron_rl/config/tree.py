@@ -99,6 +99,9 @@ class Config:
                 f"algorithm.prompts_per_step x rollout.n = {samples} samples must split into algorithm.minibatches="
                 f"{a.minibatches} minibatches of whole microbatches (data.micro_batch_size={self.data.micro_batch_size})"
                 f" on each of {dp} data-parallel ranks, and prompts_per_step into the ranks; adjust them.")
+        if r.max_turns > 1 and self.rewards.fn == "reward_model":
+            raise ConfigError(f"rollout.max_turns={r.max_turns} needs an environment to answer the turns; a reward model "
+                              "scores one completion: set rollout.max_turns=1.")
         if r.max_sequence_length < self.data.seq_length + 1:
             raise ConfigError(f"rollout.max_sequence_length={r.max_sequence_length} must exceed data.seq_length="
                               f"{self.data.seq_length} (the training length of prompt + completion).")

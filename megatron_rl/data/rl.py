@@ -49,8 +49,9 @@ def encode_prompts(rows: Rows, tokenizer, seq_length: int) -> tuple[list[list[in
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]], seq_length: int, pad_id: int,
-         **per_token: list[list[float]]) -> dict[str, torch.Tensor]:
-    """Samples -> tokens, labels (next token), loss_mask (the completion's tokens) of shape (N, S),
+         masks: list[list[float]] | None = None, **per_token: list[list[float]]) -> dict[str, torch.Tensor]:
+    """Samples -> tokens, labels (next token), loss_mask (the completion's tokens; with masks, those
+    whose mask is 1: a multi-turn episode's generated tokens, not the environment's) of shape (N, S),
     and each per-token list in `per_token` (aligned with the completion) placed at its labels."""
     n = len(prompts)
     tokens = torch.full((n, seq_length), pad_id, dtype=torch.long)
@@ -65,7 +66,7 @@ def pack(prompts: list[list[int]], completions: list[list[int]], seq_length: int
         tokens[i, : len(ids) - 1] = torch.tensor(ids[:-1])
         labels[i, : len(ids) - 1] = torch.tensor(ids[1:])
         span = slice(len(p) - 1, len(ids) - 1)  # positions whose label is a completion token
-        mask[i, span] = 1.0
+        mask[i, span] = torch.tensor(masks[i][: len(c)], dtype=torch.float) if masks else 1.0
         for k, values in per_token.items():
             extra[k][i, span] = torch.tensor(values[i][: len(c)], dtype=torch.float)
     return {"tokens": tokens, "labels": labels, "loss_mask": mask, **extra}

@@ -175,8 +175,12 @@ def _quiet_on_sigterm():
 @dataclass
 class Stepped:
     turns: list[Turn]
-    failures: int = 0  # episodes whose step raised, timed out or returned something malformed (reward 0, done)
+    failed: list[bool]  # per episode: its step raised, timed out or returned something malformed (reward 0, done)
     errors: list[str] = field(default_factory=list)  # a few of their messages
+
+    @property
+    def failures(self) -> int:
+        return sum(self.failed)
 
 
 class EnvRunner:
@@ -198,7 +202,7 @@ class EnvRunner:
         from megatron_rl.platform import watchdog
 
         episodes = list(zip(conversations, metadata))
-        turns, failures, errors = [], 0, []
+        turns, failed, errors = [], [], []
         while len(turns) < len(episodes):
             pending = [self._pool().apply_async(_step_one, (self.env, *e)) for e in episodes[len(turns):]]
             for job in pending:
@@ -206,18 +210,19 @@ class EnvRunner:
                 i = len(turns)
                 try:
                     turns.append(job.get(timeout=self.timeout))
+                    failed.append(False)
                 except mp.TimeoutError:
-                    failures += 1
                     errors.append(f"sample {i}: no result within {self.timeout:g} s")
                     turns.append(Turn(reward=0.0, done=True))
+                    failed.append(True)
                     self.pool.terminate()  # its worker is stuck: start over with the episodes left
                     self.pool = None
                     break
                 except Exception as e:  # the step raised
-                    failures += 1
                     errors.append(f"sample {i}: {type(e).__name__}: {e}")
                     turns.append(Turn(reward=0.0, done=True))
-        return Stepped(turns, failures, errors[:5])
+                    failed.append(True)
+        return Stepped(turns, failed, errors[:5])
 
     def _step_batched(self, conversations, metadata) -> Stepped:
         turns = self.env.step(conversations, metadata)
@@ -225,15 +230,16 @@ class EnvRunner:
             got = len(turns) if isinstance(turns, list) else type(turns).__name__
             raise ValueError(f"environment {type(self.env).__name__} returned {got} turns for {len(conversations)} "
                              f"episodes; its step must return one Turn per episode.")
-        out, failures, errors = [], 0, []
+        out, failed, errors = [], [], []
         for i, turn in enumerate(turns):
             try:
                 out.append(checked(turn))
+                failed.append(False)
             except (TypeError, ValueError) as e:
-                failures += 1
                 errors.append(f"sample {i}: {type(e).__name__}: {e}")
                 out.append(Turn(reward=0.0, done=True))
-        return Stepped(out, failures, errors[:5])
+                failed.append(True)
+        return Stepped(out, failed, errors[:5])
 
     def close(self):
         if self.pool is not None:

@@ -14,7 +14,7 @@ reward 0 and a counted warning; the run goes on.
 
 from dataclasses import dataclass, field
 
-from megatron_rl.environments import EnvRunner, RewardEnvironment, load_reward
+from megatron_rl.environments import EnvRunner, RewardEnvironment, load_environment, load_reward
 
 __all__ = ["RewardRunner", "Scores", "build_scorer", "load_reward"]
 
@@ -27,7 +27,7 @@ def build_scorer(cfg, spec: str, tokenizer):
 
         return RewardModel(cfg, cfg.rewards.model, tokenizer)
     r = cfg.rewards
-    return RewardRunner(spec, r.timeout_s, r.workers, r.weights)
+    return RewardRunner(spec, r.timeout_s, r.workers, r.weights, cfg)
 
 
 @dataclass
@@ -39,12 +39,18 @@ class Scores:
 
 
 class RewardRunner:
-    """Scores single-turn samples with a reward function, as a single-turn environment (each sample in
-    a worker process, limited to `timeout` seconds)."""
+    """Scores samples with the environment rewards.fn names (a reward function is a single-turn one),
+    each sample in a worker process, limited to `timeout` seconds. score() takes one turn per sample;
+    multi-turn episodes step self.runner (rollout/episodes.py)."""
 
-    def __init__(self, spec: str, timeout: float = 10.0, workers: int = 1, weights: dict | None = None):
+    def __init__(self, spec: str, timeout: float = 10.0, workers: int = 1, weights: dict | None = None, cfg=None):
         self.spec, self.weights = spec, weights or {}
-        self.runner = EnvRunner(RewardEnvironment(load_reward(spec)), timeout, workers)
+        self.env = load_environment(spec, cfg)
+        self.runner = EnvRunner(self.env, timeout, workers)
+
+    @property
+    def multi_turn(self) -> bool:
+        return not isinstance(self.env, RewardEnvironment)
 
     def score(self, prompts: list[str], completions: list[str], metadata: list[dict], ids=None) -> Scores:
         """ids: (prompt ids, completion ids) of the samples, which text-based functions do not need."""

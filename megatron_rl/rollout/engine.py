@@ -23,6 +23,7 @@ class Rollout:
     logprobs: list[list[float]]  # log p of each generated token under the sampling distribution
     truncated: list[bool]  # stopped by the token budget, not by eos or a stop string
     routes: list = field(default_factory=list)  # MoE with a routing tape: per sample, experts of each fed token (tokens, layers, topk)
+    masks: list = field(default_factory=list)  # multi-turn episodes: per completion token, 1 if generated, 0 if the environment's
 
     @property
     def lengths(self) -> list[int]:
@@ -223,21 +224,25 @@ class RolloutEngine:
         self.controller = _fast_sampling_controller_class()(wrapper, MegatronTokenizer(tokenizer))
         self.engine = DynamicInferenceEngine(self.controller, self.context, random_seed=rollout.seed)
 
-    def sampling_params(self, greedy: bool = False):
+    def sampling_params(self, greedy: bool = False, stop: list[str] | None = None, max_new_tokens: int = 0):
+        """stop: the stop strings (default rollout.stop); max_new_tokens: default rollout.max_new_tokens."""
         from megatron.core.inference.sampling_params import SamplingParams
 
         r = self.cfg
+        stop = list(r.stop) if stop is None else stop
         return SamplingParams(
             temperature=1.0 if greedy else r.temperature, top_k=1 if greedy else r.top_k,
-            top_p=0.0 if greedy else r.top_p, num_tokens_to_generate=r.max_new_tokens, return_log_probs=True,
-            skip_prompt_log_probs=True, termination_id=self.termination_id,
-            stop_words=list(r.stop) or None)
+            top_p=0.0 if greedy else r.top_p, num_tokens_to_generate=max_new_tokens or r.max_new_tokens,
+            return_log_probs=True, skip_prompt_log_probs=True, termination_id=self.termination_id,
+            stop_words=stop or None)
 
     def generate(self, prompts: list[list[int]], n: int = 1, seed: int = 0, greedy: bool = False,
-                 tape=None) -> Rollout:
+                 tape=None, stops: list[list[str]] | None = None, max_new_tokens: list[int] | None = None) -> Rollout:
         """n samples for each prompt (token ids), reproducible for a given seed. tape: a RoutingTape
-        of the model, which then records the experts every MoE layer chose for every token fed."""
-        params = self.sampling_params(greedy)
+        of the model, which then records the experts every MoE layer chose for every token fed. stops
+        and max_new_tokens: each prompt's own stop strings and token budget (multi-turn episodes)."""
+        stops = stops or [None] * len(prompts)
+        budgets = max_new_tokens or [0] * len(prompts)
         self.engine.reset()
         self.controller.sampling_rng.manual_seed(seed)
         for chunk in self.chunks:
@@ -245,6 +250,7 @@ class RolloutEngine:
         try:
             order = []
             for i, prompt in enumerate(prompts):
+                params = self.sampling_params(greedy, stops[i], budgets[i])
                 for j in range(n):
                     request_id = i * n + j
                     self.engine.add_request(request_id, list(prompt), params)
@@ -269,12 +275,15 @@ class RolloutEngine:
         return Rollout(
             prompts=prompt_ids,
             completions=completions,
-            logprobs=[[float(x) for x in (r.generated_log_probs or [])] for r in samples],
-            truncated=[len(c) >= self.cfg.max_new_tokens and not self._ended(c) for c in completions],
+            # a request stopped by a stop string runs one more step whose log-prob megatron keeps but whose token it drops
+            logprobs=[[float(x) for x in (r.generated_log_probs or [])][: len(c)] for r, c in zip(samples, completions)],
+            truncated=[len(c) >= (budgets[k // n] or self.cfg.max_new_tokens) and not self._ended(c, stops[k // n])
+                       for k, c in enumerate(completions)],
             routes=tape.collect(order, fed) if tape is not None else [])
 
-    def _ended(self, completion: list[int]) -> bool:
+    def _ended(self, completion: list[int], stop: list[str] | None = None) -> bool:
         """Whether generation stopped by itself: eos, or a stop string at the end."""
         if completion and completion[-1] == self.termination_id:
             return True
-        return bool(self.cfg.stop) and self.tokenizer.decode(completion).endswith(tuple(self.cfg.stop))
+        stop = self.cfg.stop if stop is None else stop
+        return bool(stop) and self.tokenizer.decode(completion).endswith(tuple(stop))

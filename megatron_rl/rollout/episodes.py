@@ -1,0 +1,127 @@
+"""Multi-turn episodes: the model's turns and an environment's observations, one training sequence each.
+
+Turn by turn, every episode still going is generated (its prompt and everything after it, as token
+ids) with its own stop strings and token budget; the environment steps the batch; each episode's
+observation is tokenized on its own and appended, marked out of the loss (mask 0). The model's tokens
+are kept exactly as generated, stop strings included: nothing is decoded and tokenized again, which
+could change ids and break the agreement of rollout and training log-probs.
+
+An episode ends when the environment says done, when the model ends its turn with eos, after
+rollout.max_turns turns, or when the next observation (plus one token to answer it) would not fit
+the sequence budget (then it is truncated: flagged, scored with what it earned). The budget is the
+smaller of rollout.max_sequence_length and what training takes (data.seq_length + 1 tokens).
+Rewards add up over the turns; an episode whose step fails gets reward 0.
+
+megatron-core 0.16.1's engine has no prefix cache: each turn prefills its episode again (on CPU,
+at these lengths, a small cost).
+"""
+
+from dataclasses import dataclass
+
+from megatron_rl.rollout.engine import Rollout
+
+
+@dataclass
+class Episodes:
+    rollout: Rollout  # completions: every token after the prompt; masks: 1 generated, 0 observed
+    rewards: list  # per episode, the sum over its turns (a number, or named components)
+    answers: list  # per episode, the last answer the environment extracted (None: none)
+    failures: int
+    errors: list[str]
+    stats: dict  # rollout/turns_mean, ... (this rank's episodes)
+
+
+def budget_of(cfg) -> int:
+    """The most tokens an episode may hold: what the engine and training both take."""
+    return min(cfg.rollout.max_sequence_length, cfg.data.seq_length + 1)
+
+
+def is_multi_turn(cfg, scorer) -> bool:
+    """Whether rollouts are episodes: an environment other than a reward function, or more turns."""
+    return getattr(scorer, "multi_turn", False) or cfg.rollout.max_turns > 1
+
+
+def _add(total, reward):
+    if isinstance(reward, dict):
+        base = total if isinstance(total, dict) else {}
+        return {k: base.get(k, 0.0) + reward.get(k, 0.0) for k in {*base, *reward}}
+    return total + reward if not isinstance(total, dict) else {k: v for k, v in total.items()}
+
+
+def run_episodes(engine, runner, tokenizer, prompts: list[list[int]], metadata: list[dict], n: int, seed: int,
+                 max_turns: int, budget: int, greedy: bool = False) -> Episodes:
+    """n episodes per prompt (token ids), episode i*n + j of prompt i. runner: the environment's
+    EnvRunner; budget: the most tokens an episode (prompt included) may hold."""
+    from megatron_rl.rollout.evaluate import decode
+
+    env = runner.env
+    count = len(prompts) * n
+    prompt = [list(prompts[i // n]) for i in range(count)]
+    texts = decode(tokenizer, prompts)
+    ids, mask, logp = [[] for _ in range(count)], [[] for _ in range(count)], [[] for _ in range(count)]
+    conversation = [[{"role": "user", "content": texts[i // n]}] for i in range(count)]
+    meta = [dict(metadata[i // n]) for i in range(count)]
+    stop = [list(engine.cfg.stop) + list(env.stop)] * count
+    reward, answer, failed = [0.0] * count, [None] * count, [False] * count
+    turns, ending, generated, observed = [0] * count, ["max_turns"] * count, [0] * count, [0] * count
+    errors = []
+    active = [i for i in range(count) if budget - len(prompt[i]) > 0]
+    for i in set(range(count)) - set(active):
+        ending[i] = "truncated"
+    for turn in range(max_turns):
+        if not active:
+            break
+        room = [budget - len(prompt[i]) - len(ids[i]) for i in active]
+        out = engine.generate([prompt[i] + ids[i] for i in active], n=1, seed=seed + 104729 * turn, greedy=greedy,
+                              stops=[stop[i] for i in active],
+                              max_new_tokens=[min(engine.cfg.max_new_tokens, r) for r in room])
+        for k, i in enumerate(active):
+            ids[i] += out.completions[k]
+            mask[i] += [1.0] * len(out.completions[k])
+            logp[i] += out.logprobs[k]
+            generated[i] += len(out.completions[k])
+            turns[i] += 1
+            conversation[i].append({"role": "assistant", "content": tokenizer.decode(out.completions[k],
+                                                                                     skip_special_tokens=True)})
+        stepped = runner.step([conversation[i] for i in active], [meta[i] for i in active])
+        errors += stepped.errors
+        still = []
+        for k, i in enumerate(active):
+            t = stepped.turns[k]
+            reward[i] = _add(reward[i], t.reward)
+            if stepped.failed[k]:
+                failed[i], ending[i] = True, "failed"
+                continue
+            if t.answer is not None:
+                answer[i] = t.answer
+            if t.metadata is not None:
+                meta[i] = t.metadata
+            eos = bool(out.completions[k]) and out.completions[k][-1] == tokenizer.eos_token_id
+            if t.done or eos:
+                ending[i] = "done"
+                continue
+            if turns[i] == max_turns:
+                continue
+            obs = tokenizer(t.observation, add_special_tokens=False)["input_ids"]
+            if len(prompt[i]) + len(ids[i]) + len(obs) + 1 > budget:
+                ending[i] = "truncated"
+                continue
+            ids[i] += obs
+            mask[i] += [0.0] * len(obs)
+            logp[i] += [0.0] * len(obs)
+            observed[i] += len(obs)
+            conversation[i].append({"role": "environment", "content": t.observation})
+            if t.stop is not None:
+                stop[i] = list(engine.cfg.stop) + t.stop
+            still.append(i)
+        active = still
+    for i in range(count):
+        if failed[i]:
+            reward[i] = {k: 0.0 for k in reward[i]} if isinstance(reward[i], dict) else 0.0
+    stats = {"rollout/turns_mean": sum(turns) / count, "rollout/turns_max": float(max(turns)),
+             **{f"rollout/{e}_frac": ending.count(e) / count for e in ("done", "truncated", "max_turns")},
+             "rollout/generated_tokens_mean": sum(generated) / count,
+             "rollout/observation_tokens_mean": sum(observed) / count}
+    rollout = Rollout(prompts=prompt, completions=ids, logprobs=logp,
+                      truncated=[e == "truncated" for e in ending], masks=mask)
+    return Episodes(rollout, reward, answer, sum(failed), errors[:5], stats)
