@@ -230,6 +230,34 @@ def tiny_grpo_rm() -> Config:
 
 
 @register
+def tiny_tool_sft() -> Config:
+    """A code tool where it pays: products of two 3-digit numbers, which the tiny model cannot work out in
+    its head. SFT from scratch on tool-use episodes ('<code>print(a*b)</code>', the tool's
+    '<result>...</result>' out of the loss, then the answer) from a demonstrator who, when the first
+    operand is 500 or more, skips the tool 80% of the time and answers an estimate (the product rounded
+    to the hundreds): the model learns the tool, and to skip it on large problems. The character
+    vocabulary gains the tool's syntax."""
+    cfg = tiny_sft()
+    cfg.model.max_position_embeddings = 128
+    cfg.data.ops, cfg.data.digits, cfg.data.tool, cfg.data.noise, cfg.data.seq_length = "*", 3, "code", 0.8, 80
+    return cfg
+
+
+@register
+def tiny_tool_grpo() -> Config:
+    """GRPO of tiny_tool_sft with the code tool (rewards.fn=code, run tiny_tool_sft first): each episode is
+    a call, the sandboxed program's result, and the answer (rollout.max_turns=2), rewarded by exact
+    match. Evaluate with the tool switched off: tools/eval.py --reward code_off."""
+    cfg = tiny_grpo()
+    cfg.model.max_position_embeddings = 128
+    cfg.data.ops, cfg.data.digits, cfg.data.tool, cfg.data.seq_length = "*", 3, "code", 80
+    cfg.rewards.fn, cfg.rewards.workers = "code", 2
+    cfg.rollout.max_turns, cfg.rollout.max_new_tokens, cfg.rollout.max_sequence_length = 2, 32, 128
+    cfg.checkpoint.load = "runs/tiny_tool_sft"
+    return cfg
+
+
+@register
 def tiny_teacher() -> Config:
     """tiny_sft's model trained further on clean demonstrations (no wrong answers): the teacher of
     tiny_distill (run tiny_sft first)."""

@@ -1,6 +1,7 @@
 """Environments: the contract every environment is run through, per-episode isolation of failures,
 the code tool in its sandbox, the sliding puzzle, and loading by name."""
 
+import json
 import random
 import time
 from collections import deque
@@ -82,7 +83,7 @@ def test_a_step_that_raises_hangs_or_returns_garbage_ends_only_its_episode():
 
 
 def test_unknown_environments_are_refused_in_one_sentence():
-    with pytest.raises(ConfigError, match="is neither a built-in .*code, sliding_puzzle.* nor 'module:function'"):
+    with pytest.raises(ConfigError, match="is neither a built-in .*code, code_off, sliding_puzzle.* nor 'module:function'"):
         load_environment("no_such_env")
     with pytest.raises(ConfigError, match="cannot be loaded"):
         load_environment("tests.test_environments:Nothing")
@@ -123,14 +124,13 @@ def shortest_solution(board: str) -> int:
     raise AssertionError(f"{board} cannot be solved")
 
 
-def test_sliding_puzzle_boards_moves_and_rewards():
+def test_sliding_puzzle_boards_moves_and_rewards(tmp_path):
     assert puzzle.solved(2) == "12 30" and puzzle.solved(3) == "123 456 780"
     rng = random.Random(0)
     for size, depth in ((2, 3), (3, 4), (3, 12)):
         for _ in range(20):
             board = puzzle.scramble(size, depth, rng)
             assert 0 < shortest_solution(board) <= depth  # solvable, never already solved
-    assert puzzle.rows(3, 3, 4, seed=5) == puzzle.rows(3, 3, 4, seed=5)
 
     env = load_environment("sliding_puzzle")
     board = "12 03"  # one move from solved: the empty cell moves right
@@ -144,3 +144,68 @@ def test_sliding_puzzle_boards_moves_and_rewards():
     assert turns[2].observation == "<board>12 03</board> invalid: the empty cell cannot move left from here"
     assert turns[3].observation.endswith("invalid: write one move as <action>up</action> (or down, left, right)")
     assert not turns[2].done and not turns[3].done and turns[3].metadata is None
+
+    for _ in range(10):  # a shortest solution as demonstration turns, replayed through the environment
+        board = puzzle.scramble(3, 8, rng)
+        demo = puzzle.demonstration(board)
+        assert len(demo) == 2 * shortest_solution(board) - 1
+        meta, conversation = {"board": board}, episode(f"<board>{board}</board>")
+        for k in range(0, len(demo), 2):
+            conversation.append(demo[k])
+            turn = env.step_one(conversation, meta)
+            meta = turn.metadata
+            if k + 1 < len(demo):
+                assert (turn.observation, turn.done) == (demo[k + 1]["content"], False)
+                conversation.append(demo[k + 1])
+        assert (turn.reward, turn.done) == (1.0, True)
+    train, _ = puzzle.write_splits(tmp_path, 20, 5, 3, 6, seed=0)  # data.task=sliding_puzzle
+    for row in map(json.loads, train.read_text().splitlines()):
+        assert row["prompt"] == f"<board>{row['board']}</board>" and row["turns"] == puzzle.demonstration(row["board"])
+
+
+def test_tool_demonstrations_train_the_model_turns_only(tmp_path):
+    """The code-tool task's episodes: each turn tokenized on its own (as rollouts append them), the tool's
+    result out of the loss; on large problems the demonstrator often skips the tool and estimates."""
+    from megatron_rl.data import arithmetic
+    from megatron_rl.data.sft import encode, read_jsonl
+    from megatron_rl.data.tokenizer import build_char_tokenizer
+
+    train, val = arithmetic.write_splits(tmp_path, 400, 20, 3, seed=0, noise=0.8, ops="*", tool="code")
+    rows = [json.loads(x) for x in train.read_text().splitlines()]
+    skipped = [r for r in rows if len(r["turns"]) == 1]
+    large = [r for r in rows if int(r["prompt"].split("*")[0]) >= arithmetic.SKIPS_FROM]
+    assert all(r in large for r in skipped) and 0.7 < len(skipped) / len(large) < 0.9
+    for r in rows:
+        a, b = map(int, r["prompt"][:-1].split("*"))
+        assert 100 <= a < 1000 and 100 <= b < 1000 and r["answer"] == str(a * b)
+        contents = [t["content"] for t in r["turns"]]
+        assert contents == ([str(round(a * b, -2))] if r in skipped else
+                            [f"<code>print({a}*{b})</code>", f"<result>{a * b}</result>", str(a * b)])
+    assert all(len(json.loads(x)["turns"]) == 3 for x in val.read_text().splitlines())
+    tok = build_char_tokenizer(arithmetic.alphabet("*", "code"), tmp_path / "tok")
+    assert tok.convert_ids_to_tokens(list(range(3, 15))) == list("0123456789+=")  # append-only
+    r = next(r for r in rows if r not in skipped)
+    assert tok.pad_token_id not in tok("".join(t["content"] for t in r["turns"]))["input_ids"]  # no unknown characters
+    batch = encode(read_jsonl(train).keep([rows.index(r)]), tok, 80)
+    ids = batch["labels"][0][batch["loss_mask"][0] > 0].tolist()
+    trained = tok(r["turns"][0]["content"])["input_ids"] + tok(r["turns"][2]["content"])["input_ids"] + [tok.eos_token_id]
+    assert ids == trained  # the tool's result is not trained on
+
+
+@pytest.mark.skipif(isolation() != "root", reason="the code tool's sandbox needs root and bubblewrap here")
+def test_grpo_with_the_code_tool(tmp_path):
+    """A short tiny_tool_sft, then a GRPO step whose episodes call the sandboxed tool: the tool's results
+    join the episodes out of the loss, the log-prob bound holds over the model's tokens."""
+    from tests.helpers import metrics, run_train
+
+    quick = ["logging.progress=false", "logging.tensorboard=false", "train.eval_every=0", "data.num_val=16"]
+    sft = tmp_path / "sft"
+    run_train(["--recipe", "tiny_tool_sft", *quick, "train.max_steps=300", "data.num_train=4000",
+               f"logging.run_dir={sft}"])
+    run = tmp_path / "grpo"
+    run_train(["--recipe", "tiny_tool_grpo", *quick, "train.max_steps=1", "algorithm.prompts_per_step=8", "rollout.n=4",
+               "data.micro_batch_size=32", "checkpoint.save=false", f"checkpoint.load={sft}", f"logging.run_dir={run}"])
+    step = metrics(run)[-1]
+    assert step["rollout/turns_mean"] > 1.2 and step["rollout/observation_tokens_mean"] > 5  # the tool was called
+    assert step["rollout/reward_failure_frac"] == 0 and step["rollout/logprob_mismatch_max"] <= 1e-5
+    assert "val/accuracy" in step

@@ -11,7 +11,7 @@ from .base import ConfigError, positive
 @dataclass(kw_only=True)
 class DataConfig:
     task: str = "arithmetic"
-    """A built-in synthetic task ('arithmetic'), or '' to read train_path/val_path."""
+    """A built-in synthetic task ('arithmetic', 'sliding_puzzle'), or '' to read train_path/val_path."""
     train_path: str = ""
     """JSONL (or .parquet) with {"prompt", "response"} or {"messages": [...]} rows."""
     val_path: str = ""
@@ -42,12 +42,22 @@ class DataConfig:
     """Arithmetic task: maximum digits per operand."""
     ops: str = "+"
     """Arithmetic task: its operations, '+', '-' or '+-' (subtraction a-b with a >= b; with both, each
-    row names its operation in 'teacher' as add or sub; '-' joins the vocabulary only when asked for)."""
+    row names its operation in 'teacher' as add or sub; '-' joins the vocabulary only when asked for),
+    or '*' (products of two numbers of exactly data.digits digits)."""
+    tool: str = ""
+    """Arithmetic task: 'code' writes the demonstrations as code-tool episodes ('<code>print(a*b)</code>',
+    the tool's '<result>...</result>', then the answer; rewards.fn=code runs them); where the first
+    operand is 500 or more, data.noise of them skip the tool and answer the product rounded to the
+    hundreds. Its characters join the vocabulary."""
     train_ops: str = ""
     """Arithmetic task: the operations of the training split (default: all of ops); validation keeps all."""
     noise: float = 0.0
     """Arithmetic task: share of training responses that are off by one (imperfect demonstrations);
     the 'answer' field, which rewards check, and the validation split stay exact."""
+    board_size: int = 3
+    """Sliding puzzle task: the board is board_size x board_size."""
+    scramble: int = 6
+    """Sliding puzzle task: boards are this many random moves (none undoing the last) from the solved one."""
     seed: int = 0
     """Seed for generating and shuffling data."""
     negatives: dict[str, float] = field(default_factory=lambda: {"plus1": 1.0})
@@ -76,9 +86,10 @@ class DataConfig:
                 f"data.global_batch_size={self.global_batch_size} is not divisible by data.micro_batch_size"
                 f" x data-parallel size = {self.micro_batch_size} x {dp}; make it a multiple of "
                 f"{self.micro_batch_size * dp}.")
-        if not self.ops or set(self.ops) - {"+", "-"} or len(set(self.ops)) < len(self.ops) or \
-                set(self.train_ops) - set(self.ops):
-            raise ConfigError(f"data.ops={self.ops!r} must be '+', '-' or '+-', and data.train_ops={self.train_ops!r} "
-                              "some of them (or empty: all).")
+        if self.ops not in ("+", "-", "+-", "-+", "*") or set(self.train_ops) - set(self.ops):
+            raise ConfigError(f"data.ops={self.ops!r} must be '+', '-', '+-' or '*', and data.train_ops="
+                              f"{self.train_ops!r} some of them (or empty: all).")
+        if self.tool not in ("", "code"):
+            raise ConfigError(f"data.tool={self.tool!r}: the built-in tool is 'code' (empty: no tool).")
         if not self.task and not self.train_path:
             raise ConfigError("set data.task to a built-in task or data.train_path to a JSONL file.")

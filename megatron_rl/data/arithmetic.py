@@ -12,31 +12,56 @@ from pathlib import Path
 
 ALPHABET = "0123456789+="
 OPS = {"+": "add", "-": "sub"}  # operation -> the name rows of several operations carry in 'teacher'
+TOOL_CHARS = "*<>/()cdeilnoprstu"  # what '<code>print(a*b)</code><result>...</result>' adds
 
 
-def alphabet(ops: str = "+") -> str:
-    """The task's characters; '-' is appended only when subtraction is asked for, so the tokenizer of
-    an addition-only task (and every checkpoint trained on it) stays as it was."""
-    return ALPHABET + "-" * ("-" in ops)
+def alphabet(ops: str = "+", tool: str = "") -> str:
+    """The task's characters, appended only when asked for ('-' for subtraction, '*' and the code
+    tool's syntax), so the tokenizer of an addition-only task (and every checkpoint trained on it)
+    stays as it was."""
+    return ALPHABET + "-" * ("-" in ops) + ("*" * ("*" in ops) if not tool else TOOL_CHARS)
 
 
 def make_problem(rng: random.Random, digits: int, ops: str = "+") -> dict:
-    """'a+b=' -> a + b, or 'a-b=' -> a - b with a >= b. With several operations the row names its
-    operation in 'teacher' (multi-teacher distillation routes on it)."""
+    """'a+b=' -> a + b, 'a-b=' -> a - b with a >= b, or 'a*b=' -> a * b with operands of exactly
+    `digits` digits. With several operations the row names its operation in 'teacher' (multi-teacher
+    distillation routes on it)."""
     op = rng.choice(ops) if len(ops) > 1 else ops
-    a = rng.randrange(10 ** rng.randint(1, digits))
-    b = rng.randrange(10 ** rng.randint(1, digits))
+    if op == "*":
+        a, b = (rng.randrange(10 ** (digits - 1), 10**digits) for _ in range(2))
+    else:
+        a = rng.randrange(10 ** rng.randint(1, digits))
+        b = rng.randrange(10 ** rng.randint(1, digits))
     if op == "-":
         a, b = max(a, b), min(a, b)
-    total = a + b if op == "+" else a - b
+    total = {"+": a + b, "-": a - b, "*": a * b}[op]
     row = {"prompt": f"{a}{op}{b}=", "response": str(total), "answer": str(total)}
     return {**row, "teacher": OPS[op]} if len(ops) > 1 else row
 
 
+def tool_episode(row: dict, skip: bool = False) -> dict:
+    """A product's demonstration as a code-tool episode: the call, the tool's result (out of the loss),
+    the answer; `skip`: the demonstrator answers in its head instead, with the product rounded to the
+    hundreds (wrong but for 1 in 100)."""
+    a, b = map(int, row["prompt"][:-1].split("*"))
+    if skip:
+        return {"prompt": row["prompt"], "turns": [{"role": "assistant", "content": str(round(a * b, -2))}],
+                "answer": row["answer"]}
+    turns = [{"role": "assistant", "content": f"<code>print({a}*{b})</code>"},
+             {"role": "environment", "content": f"<result>{a * b}</result>"},
+             {"role": "assistant", "content": str(a * b)}]
+    return {"prompt": row["prompt"], "turns": turns, "answer": row["answer"]}
+
+
+SKIPS_FROM = 500  # the code tool's demonstrator skips the tool only when the first operand is at least this
+
+
 def write_splits(out_dir: str | Path, num_train: int, num_val: int, digits: int, seed: int,
-                 noise: float = 0.0, ops: str = "+", train_ops: str = "") -> tuple[Path, Path]:
+                 noise: float = 0.0, ops: str = "+", train_ops: str = "", tool: str = "") -> tuple[Path, Path]:
     """Write train.jsonl and val.jsonl with no val prompt also in train; returns their paths.
-    Validation covers every operation of `ops`; training only those of `train_ops` (default: all)."""
+    Validation covers every operation of `ops`; training only those of `train_ops` (default: all).
+    tool='code': the rows are code-tool episodes (tool_episode); where the first operand is at least
+    SKIPS_FROM, `noise` of the training ones skip the tool and answer an estimate."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
@@ -52,9 +77,13 @@ def write_splits(out_dir: str | Path, num_train: int, num_val: int, digits: int,
         if train_ops and not any(op in row["prompt"] for op in train_ops):
             continue
         if row["prompt"] not in seen:
-            if rng.random() < noise:
+            if tool:
+                row = tool_episode(row, int(row["prompt"].split("*")[0]) >= SKIPS_FROM and rng.random() < noise)
+            elif rng.random() < noise:
                 row["response"] = str(int(row["answer"]) + 1)
             train.append(row)
+    if tool:
+        val = [tool_episode(row) for row in val]
     paths = out_dir / "train.jsonl", out_dir / "val.jsonl"
     for path, rows in zip(paths, (train, val)):
         write_jsonl(path, rows)

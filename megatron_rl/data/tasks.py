@@ -10,7 +10,7 @@ from megatron_rl.config import Config, ConfigError
 
 from .tokenizer import build_bpe_tokenizer, build_char_tokenizer, load_tokenizer
 
-TASKS = ("arithmetic",)
+TASKS = ("arithmetic", "sliding_puzzle")
 
 
 def bpe_size(spec) -> int:
@@ -36,13 +36,22 @@ def data_files(cfg: Config, run_dir: Path):
                               f"(or set data.task='' and data.train_path).")
         data_dir = run_dir / "data"
         if dist.get_rank() == 0:
-            arithmetic.write_splits(data_dir, cfg.data.num_train, cfg.data.num_val, cfg.data.digits, cfg.data.seed,
-                                    cfg.data.noise, cfg.data.ops, cfg.data.train_ops)
+            d = cfg.data
+            if d.task == "sliding_puzzle":
+                from megatron_rl.environments import puzzle
+
+                puzzle.write_splits(data_dir, d.num_train, d.num_val, d.board_size, d.scramble, d.seed)
+                characters = puzzle.ALPHABET
+            else:
+                arithmetic.write_splits(data_dir, d.num_train, d.num_val, d.digits, d.seed, d.noise, d.ops, d.train_ops,
+                                        d.tool)
+                characters = arithmetic.alphabet(d.ops, d.tool)
             if not tok_path:
-                build_char_tokenizer(arithmetic.alphabet(cfg.data.ops), data_dir / "tokenizer")
+                build_char_tokenizer(characters, data_dir / "tokenizer")
             elif bpe_size(tok_path):
                 rows = [json.loads(line) for line in (data_dir / "train.jsonl").read_text().splitlines()]
-                build_bpe_tokenizer([r["prompt"] + r["response"] for r in rows], bpe_size(tok_path),
+                build_bpe_tokenizer([r["prompt"] + (r.get("response") or "".join(t["content"] for t in r["turns"]))
+                                     for r in rows], bpe_size(tok_path),
                                     data_dir / "tokenizer")
         train_path, val_path = data_dir / "train.jsonl", data_dir / "val.jsonl"
         tok_path = data_dir / "tokenizer" if not tok_path or bpe_size(tok_path) else tok_path

@@ -115,6 +115,7 @@ def builtin_names() -> list[str]:
 
 
 ENVIRONMENTS = {"code": "megatron_rl.environments.code:CodeEnvironment",
+                "code_off": "megatron_rl.environments.code:CodeOff",
                 "sliding_puzzle": "megatron_rl.environments.puzzle:SlidingPuzzle"}
 
 

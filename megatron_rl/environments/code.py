@@ -31,3 +31,15 @@ class CodeEnvironment(Environment):
         result = outcome.stdout.strip() if outcome.status == "ok" else f"error: {outcome.describe()}"
         return Turn(reward=0.0, done=False, observation=f"<result>{result[: self.max_result_chars]}</result>",
                     stop=self.stop)
+
+
+class CodeOff(CodeEnvironment):
+    """The code tool switched off: every call gets an empty result (to measure what the tool is worth)."""
+
+    def __init__(self, cfg=None):
+        pass
+
+    def step_one(self, conversation, metadata):
+        if CALL.search(last_of(conversation, "assistant")):
+            return Turn(reward=0.0, done=False, observation="<result></result>", stop=self.stop)
+        return super().step_one(conversation, metadata)  # an answer: scored as with the tool

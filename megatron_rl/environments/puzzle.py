@@ -46,14 +46,60 @@ def scramble(size: int, depth: int, rng: random.Random) -> str:
             return board
 
 
-def rows(n: int, size: int, depth: int, seed: int) -> list[dict]:
-    """n prompt rows: {'prompt', 'board'}."""
+def solution(board: str) -> list[str]:
+    """The shortest sequence of moves that solves `board` (breadth-first; the first of equal ones in
+    MOVES order)."""
+    from collections import deque
+
+    goal, previous = solved(len(board.split(" "))), {board: None}
+    queue = deque([board])
+    while queue:
+        b = queue.popleft()
+        if b == goal:
+            path = []
+            while previous[b] is not None:
+                b, m = previous[b]
+                path.append(m)
+            return path[::-1]
+        for m in MOVES:
+            after = move(b, m)
+            if after is not None and after not in previous:
+                previous[after] = (b, m)
+                queue.append(after)
+    raise ValueError(f"board {board!r} cannot be solved")
+
+
+def demonstration(board: str) -> list[dict]:
+    """A shortest solution as an episode's turns: each move, then the board it leads to (as the
+    environment answers it), but for the last, which solves it."""
+    turns = []
+    for m in solution(board):
+        board = move(board, m)
+        turns += [{"role": "assistant", "content": f"<action>{m}</action>"},
+                  {"role": "environment", "content": f"<board>{board}</board>"}]
+    return turns[:-1]
+
+
+ALPHABET = "0123456789 <>/:," + "abcdefghijklmnopqrstuvwxyz"  # boards, actions and hints
+
+
+def write_splits(out_dir, num_train: int, num_val: int, size: int, depth: int, seed: int):
+    """train.jsonl and val.jsonl: boards `depth` random moves from solved, as {'prompt', 'board', 'turns':
+    a shortest solution}. A shallow scramble of a small board reaches few boards (3 x 3: 39 at depth 6,
+    342 at depth 10), so the splits are drawn from all of them alike and may share boards; returns
+    the paths."""
+    import json
+    from pathlib import Path
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        board = scramble(size, depth, rng)
-        out.append({"prompt": f"<board>{board}</board>", "board": board})
-    return out
+    paths = out_dir / "train.jsonl", out_dir / "val.jsonl"
+    for path, n in zip(paths, (num_train, num_val)):
+        boards = [scramble(size, depth, rng) for _ in range(n)]
+        path.write_text("".join(json.dumps({"prompt": f"<board>{b}</board>", "board": b, "turns": demonstration(b)})
+                                + "\n" for b in boards))
+    return paths
 
 
 class SlidingPuzzle(Environment):
