@@ -94,20 +94,22 @@ def token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | N
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
         lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalized advantage estimation over each row's response tokens (mask 1, contiguous): with
-    V after the last response token 0,
-        delta_t = r_t + gamma V_{t+1} - V_t,   A_t = delta_t + gamma lam A_{t+1},   R_t = A_t + V_t.
-    values[t] is the critic's value of the state that chose token t (the critic's output at the
-    position whose label is that token, as logprobs are). Returns (advantages, returns), (N, T) float64,
-    0 outside the mask."""
+    """Generalized advantage estimation over each row's response tokens (mask 1): with V after the last
+    response token 0,
+        delta_t = r_t + gamma V_{t+1} - V_t,   A_t = delta_t + gamma lam A_{t+1},   R_t = A_t + V_t,
+    where t+1 is the next response token: masked positions inside a response (a multi-turn episode's
+    observations) are skipped, not ends. values[t] is the critic's value of the state that chose
+    token t (the critic's output at the position whose label is that token, as logprobs are). Returns
+    (advantages, returns), (N, T) float64, 0 outside the mask."""
     m, r, v = mask.double(), rewards.double(), values.double() * mask.double()
     adv = torch.zeros_like(r)
     carry = next_value = torch.zeros(len(r), dtype=torch.float64)
     for t in reversed(range(r.shape[1])):
+        on = m[:, t] > 0
         delta = r[:, t] + gamma * next_value - v[:, t]
-        carry = (delta + gamma * lam * carry) * m[:, t]
-        next_value = v[:, t]
-        adv[:, t] = carry
+        carry = torch.where(on, delta + gamma * lam * carry, carry)
+        next_value = torch.where(on, v[:, t], next_value)
+        adv[:, t] = carry * m[:, t]
     return adv, adv + v
 
 

@@ -37,6 +37,13 @@ def test_gae_against_hand_computed_values():
     # lam = 1, gamma = 1: the return is the sum of the rewards to go, whatever the values
     _, ret = losses.gae(r, v, mask, 1.0, 1.0)
     assert ret.tolist() == [pytest.approx([0, 0.9, 0.8, 1.0, 0])]
+    # A multi-turn episode's observation tokens (mask 0 inside the response) are skipped, not ends: the
+    # same advantages on the model's tokens as with the observation cut out
+    gap = torch.tensor([[0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0]])
+    adv_gap, ret_gap = losses.gae(torch.tensor([[0.0, 0.1, 5.0, 5.0, -0.2, 1.0, 0.0]]),
+                                  torch.tensor([[7.0, 0.5, 9.0, 9.0, 0.3, 0.6, 7.0]]), gap, gamma, lam)
+    assert adv_gap.tolist() == [pytest.approx([0, a1, 0, 0, a2, a3, 0])]
+    assert ret_gap.tolist() == [pytest.approx([0, a1 + 0.5, 0, 0, a2 + 0.3, a3 + 0.6, 0])]
 
 
 def test_clipped_value_loss_by_hand():
