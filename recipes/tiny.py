@@ -257,6 +257,38 @@ def tiny_tool_grpo() -> Config:
     return cfg
 
 
+def _puzzle(cfg: Config) -> Config:
+    """The sliding-puzzle task on cfg: 3 x 3 boards 6 random moves from solved (39 boards; up to 8 moves
+    with a detour, up to about 260 characters an episode)."""
+    cfg.model.max_position_embeddings = 320
+    cfg.data.task, cfg.data.board_size, cfg.data.scramble, cfg.data.seq_length = "sliding_puzzle", 3, 6, 288
+    cfg.data.num_val = 64
+    return cfg
+
+
+@register
+def tiny_puzzle_sft() -> Config:
+    """SFT from scratch on sliding-puzzle demonstrations: each move as <action>dir</action>, the board the
+    environment answers out of the loss; 20% of the moves of a demonstration may be a random detour
+    (at most one per episode), the solution going on from there."""
+    cfg = _puzzle(tiny_sft())
+    cfg.data.noise = 0.2
+    cfg.train.max_steps = 600
+    return cfg
+
+
+@register
+def tiny_puzzle_grpo() -> Config:
+    """GRPO of tiny_puzzle_sft in the sliding-puzzle environment (run tiny_puzzle_sft first): 40 steps,
+    episodes of up to 10 moves, reward 1 when solved; val/accuracy is the greedy solve rate."""
+    cfg = _puzzle(tiny_grpo())
+    cfg.rewards.fn, cfg.rewards.workers = "sliding_puzzle", 2
+    cfg.rollout.max_turns, cfg.rollout.max_new_tokens, cfg.rollout.max_sequence_length = 10, 24, 320
+    cfg.train.max_steps, cfg.train.eval_every = 40, 10
+    cfg.checkpoint.load = "runs/tiny_puzzle_sft"
+    return cfg
+
+
 @register
 def tiny_teacher() -> Config:
     """tiny_sft's model trained further on clean demonstrations (no wrong answers): the teacher of

@@ -134,22 +134,22 @@ def test_sliding_puzzle_boards_moves_and_rewards(tmp_path):
 
     env = load_environment("sliding_puzzle")
     board = "12 03"  # one move from solved: the empty cell moves right
-    turns = check_environment(env, [episode(f"<board>{board}</board>", "<action>right</action>"),
+    turns = check_environment(env, [episode(board, "<action>right</action>"),
                                     episode("", "<action>up</action>"),
                                     episode("", "<action>left</action>"),
                                     episode("", "I would move it right")], [{"board": board}] * 4)
     assert (turns[0].reward, turns[0].done, turns[0].metadata["board"]) == (1.0, True, "12 30")
-    assert (turns[1].reward, turns[1].done, turns[1].observation) == (0.0, False, "<board>02 13</board>")
+    assert (turns[1].reward, turns[1].done, turns[1].observation) == (0.0, False, "02 13")
     assert turns[1].metadata == {"board": "02 13"} and turns[1].stop == ["</action>"]
-    assert turns[2].observation == "<board>12 03</board> invalid: the empty cell cannot move left from here"
+    assert turns[2].observation == "12 03 invalid: the empty cell cannot move left from here"
     assert turns[3].observation.endswith("invalid: write one move as <action>up</action> (or down, left, right)")
     assert not turns[2].done and not turns[3].done and turns[3].metadata is None
 
-    for _ in range(10):  # a shortest solution as demonstration turns, replayed through the environment
+    for i in range(20):  # solutions as demonstration turns (shortest, or with detours), replayed through the environment
         board = puzzle.scramble(3, 8, rng)
-        demo = puzzle.demonstration(board)
-        assert len(demo) == 2 * shortest_solution(board) - 1
-        meta, conversation = {"board": board}, episode(f"<board>{board}</board>")
+        demo = puzzle.demonstration(board, rng, detour=0.5 * (i % 2))
+        assert len(demo) == 2 * shortest_solution(board) - 1 if i % 2 == 0 else len(demo) >= 2 * shortest_solution(board) - 1
+        meta, conversation = {"board": board}, episode(board)
         for k in range(0, len(demo), 2):
             conversation.append(demo[k])
             turn = env.step_one(conversation, meta)
@@ -158,9 +158,9 @@ def test_sliding_puzzle_boards_moves_and_rewards(tmp_path):
                 assert (turn.observation, turn.done) == (demo[k + 1]["content"], False)
                 conversation.append(demo[k + 1])
         assert (turn.reward, turn.done) == (1.0, True)
-    train, _ = puzzle.write_splits(tmp_path, 20, 5, 3, 6, seed=0)  # data.task=sliding_puzzle
-    for row in map(json.loads, train.read_text().splitlines()):
-        assert row["prompt"] == f"<board>{row['board']}</board>" and row["turns"] == puzzle.demonstration(row["board"])
+    _, val = puzzle.write_splits(tmp_path, 20, 5, 3, 6, seed=0, detour=0.3)  # data.task=sliding_puzzle
+    for row in map(json.loads, val.read_text().splitlines()):
+        assert row["prompt"] == row["board"] and row["turns"] == puzzle.demonstration(row["board"])
 
 
 def test_tool_demonstrations_train_the_model_turns_only(tmp_path):

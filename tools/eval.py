@@ -47,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, help="default: the run's rollout.max_new_tokens, else 256")
     p.add_argument("--stop", help="comma-separated stop strings (default: the run's)")
     p.add_argument("--max-turns", type=int, help="turns per episode with a multi-turn environment (default: the run's)")
+    p.add_argument("--max-sequence-length", type=int,
+                   help="tokens an episode may hold, prompt included (default: the run's rollout.max_sequence_length)")
     p.add_argument("--reward", help="reward function, as rewards.fn (default: the run's validation reward, else "
                                     "exact_match)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
@@ -87,7 +89,7 @@ def run_config(args):
     cfg.parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep)
     cfg.lora.rank = 0
     r = cfg.rollout
-    for name in ("temperature", "top_p", "top_k", "max_new_tokens", "max_turns"):
+    for name in ("temperature", "top_p", "top_k", "max_new_tokens", "max_turns", "max_sequence_length"):
         if getattr(args, name) is not None:
             setattr(r, name, getattr(args, name))
     if args.stop is not None:

@@ -53,7 +53,8 @@ class DataConfig:
     """Arithmetic task: the operations of the training split (default: all of ops); validation keeps all."""
     noise: float = 0.0
     """Arithmetic task: share of training responses that are off by one (imperfect demonstrations);
-    the 'answer' field, which rewards check, and the validation split stay exact."""
+    the 'answer' field, which rewards check, and the validation split stay exact. Sliding puzzle: the
+    chance of each demonstrated move being a random detour (at most one per episode)."""
     board_size: int = 3
     """Sliding puzzle task: the board is board_size x board_size."""
     scramble: int = 6

@@ -40,7 +40,7 @@ def data_files(cfg: Config, run_dir: Path):
             if d.task == "sliding_puzzle":
                 from megatron_rl.environments import puzzle
 
-                puzzle.write_splits(data_dir, d.num_train, d.num_val, d.board_size, d.scramble, d.seed)
+                puzzle.write_splits(data_dir, d.num_train, d.num_val, d.board_size, d.scramble, d.seed, d.noise)
                 characters = puzzle.ALPHABET
             else:
                 arithmetic.write_splits(data_dir, d.num_train, d.num_val, d.digits, d.seed, d.noise, d.ops, d.train_ops,

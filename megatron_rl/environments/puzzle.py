@@ -1,9 +1,9 @@
 """A sliding puzzle: an n x n board of tiles 1 .. n*n-1 and one empty cell (0), written row by row with
-a space between rows ('12 30' is the 2 x 2 board with the empty cell at the bottom right, which is
-solved: '12 30'). Each turn the model moves the empty cell with <action>up</action> (or down, left,
-right; generation stops at </action>). A valid move is answered with the new board in <board>...</board>;
-an invalid one (no action, an unknown direction, or off the board) with the same board and a hint, the
-episode going on. Solving it ends the episode with reward 1; the rollout's turn limit ends it with 0.
+a space between rows ('123 456 780' is the solved 3 x 3 board). The prompt is the board; each turn the
+model moves the empty cell with <action>up</action> (or down, left, right; generation stops at
+</action>). A valid move is answered with the new board; an invalid one (no action, an unknown
+direction, or off the board) with the same board and a hint, the episode going on. Solving it ends
+the episode with reward 1; the rollout's turn limit ends it with 0.
 
 Boards are made by random legal moves from the solved one, so every board is solvable."""
 
@@ -69,25 +69,28 @@ def solution(board: str) -> list[str]:
     raise ValueError(f"board {board!r} cannot be solved")
 
 
-def demonstration(board: str) -> list[dict]:
-    """A shortest solution as an episode's turns: each move, then the board it leads to (as the
-    environment answers it), but for the last, which solves it."""
-    turns = []
-    for m in solution(board):
+def demonstration(board: str, rng: random.Random | None = None, detour: float = 0.0) -> list[dict]:
+    """A solution as an episode's turns: each move, then the board it leads to (as the environment
+    answers it), but for the last, which solves it. Shortest, or with `detour`, each move a random legal
+    one with that chance (the solution goes on from where it leads; at most one detour)."""
+    goal, turns, detours = solved(len(board.split(" "))), [], 0
+    while board != goal:
+        m = solution(board)[0]
+        if rng is not None and detours < 1 and rng.random() < detour:
+            m, detours = rng.choice([d for d in MOVES if move(board, d) is not None]), detours + 1
         board = move(board, m)
-        turns += [{"role": "assistant", "content": f"<action>{m}</action>"},
-                  {"role": "environment", "content": f"<board>{board}</board>"}]
+        turns += [{"role": "assistant", "content": f"<action>{m}</action>"}, {"role": "environment", "content": board}]
     return turns[:-1]
 
 
 ALPHABET = "0123456789 <>/:," + "abcdefghijklmnopqrstuvwxyz"  # boards, actions and hints
 
 
-def write_splits(out_dir, num_train: int, num_val: int, size: int, depth: int, seed: int):
-    """train.jsonl and val.jsonl: boards `depth` random moves from solved, as {'prompt', 'board', 'turns':
-    a shortest solution}. A shallow scramble of a small board reaches few boards (3 x 3: 39 at depth 6,
-    342 at depth 10), so the splits are drawn from all of them alike and may share boards; returns
-    the paths."""
+def write_splits(out_dir, num_train: int, num_val: int, size: int, depth: int, seed: int, detour: float = 0.0):
+    """train.jsonl and val.jsonl: boards `depth` random moves from solved, as {'prompt': the board,
+    'board', 'turns': a solution, in training with random detours (`detour`), in validation shortest}.
+    A shallow scramble of a small board reaches few boards (3 x 3: 39 at depth 6, 342 at depth 10), so
+    the splits are drawn from all of them alike and may share boards; returns the paths."""
     import json
     from pathlib import Path
 
@@ -95,10 +98,10 @@ def write_splits(out_dir, num_train: int, num_val: int, size: int, depth: int, s
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     paths = out_dir / "train.jsonl", out_dir / "val.jsonl"
-    for path, n in zip(paths, (num_train, num_val)):
+    for path, n, noise in zip(paths, (num_train, num_val), (detour, 0.0)):
         boards = [scramble(size, depth, rng) for _ in range(n)]
-        path.write_text("".join(json.dumps({"prompt": f"<board>{b}</board>", "board": b, "turns": demonstration(b)})
-                                + "\n" for b in boards))
+        path.write_text("".join(json.dumps({"prompt": b, "board": b, "turns": demonstration(b, rng, noise)}) + "\n"
+                                for b in boards))
     return paths
 
 
@@ -116,9 +119,9 @@ class SlidingPuzzle(Environment):
         if after is None:
             why = ("write one move as <action>up</action> (or down, left, right)" if direction not in MOVES else
                    f"the empty cell cannot move {direction} from here")
-            return Turn(reward=0.0, done=False, observation=f"<board>{board}</board> invalid: {why}", stop=self.stop)
+            return Turn(reward=0.0, done=False, observation=f"{board} invalid: {why}", stop=self.stop)
         size = len(board.split(" "))
         if after == solved(size):
             return Turn(reward=1.0, done=True, answer=after, metadata={**metadata, "board": after})
-        return Turn(reward=0.0, done=False, observation=f"<board>{after}</board>", stop=self.stop,
+        return Turn(reward=0.0, done=False, observation=after, stop=self.stop,
                     metadata={**metadata, "board": after})
