@@ -3,6 +3,7 @@ the code tool in its sandbox, the sliding puzzle, and loading by name."""
 
 import json
 import random
+import re
 import time
 from collections import deque
 
@@ -209,3 +210,19 @@ def test_grpo_with_the_code_tool(tmp_path):
     assert step["rollout/turns_mean"] > 1.2 and step["rollout/observation_tokens_mean"] > 5  # the tool was called
     assert step["rollout/reward_failure_frac"] == 0 and step["rollout/logprob_mismatch_max"] <= 1e-5
     assert "val/accuracy" in step
+
+
+@pytest.mark.parametrize("recipe, overrides, message", [
+    ("tiny_moe_grpo", ["rollout.max_turns=3"], "cannot record or replay an MoE model's routing yet"),
+    ("tiny_moe_grpo", ["rewards.fn=sliding_puzzle"], "cannot record or replay an MoE model's routing yet"),
+    ("tiny_grpo_rm", ["rollout.max_turns=2"], "rollout.max_turns=2 needs an environment to answer the turns"),
+    ("tiny_grpo", ["rollout.max_turns=0"], "rollout.max_turns=0 must be positive"),
+    ("tiny_sft", ["data.tool=calculator"], "data.tool='calculator': the built-in tool is 'code'"),
+    ("tiny_sft", ["data.ops=/"], "data.ops='/' must be '+', '-', '+-' or '*'"),
+])
+def test_multi_turn_settings_refused_in_one_sentence(recipe, overrides, message):
+    from megatron_rl.config import apply_overrides
+    from recipes import get_recipe
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        apply_overrides(get_recipe(recipe), overrides).validate(world_size=1)
