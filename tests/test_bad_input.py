@@ -212,7 +212,7 @@ CASES = {
                                   f"ppo.critic={f['dir']}/nope"], "ppo.critic="),
     "row naming a teacher not given": (lambda f: ["--recipe", "tiny_mopd", *QUIET, f"distill.teachers=add:{f['ckpt']}"],
                                        "names teacher 'sub', which distill.teachers does not have (add)"),
-    "unknown arithmetic operation": (lambda f: ["--recipe", "tiny_sft", "data.ops=*"], "data.ops='*' must be"),
+    "unknown arithmetic operation": (lambda f: ["--recipe", "tiny_sft", "data.ops=/"], "data.ops='/' must be"),
     # reward functions
     "reward not module:function": (lambda f: _grpo(f, "good", "rewards.fn=closeness"), "module:function"),
     "reward import error": (lambda f: _grpo(f, "good", "rewards.fn=badreward:score"), "cannot be loaded"),

@@ -100,11 +100,16 @@ class Sandbox:
 
     def command(self, work: Path) -> list[str]:
         c = self.cfg
-        python = [sys.executable, "-I", "-S", "-c", PRELUDE, str(c.cpu_s), str(c.memory_mb << 20),
+        # the interpreter itself (a virtual environment's python is a link to it; -S needs no site-packages)
+        interpreter = os.path.realpath(sys.executable)
+        python = [interpreter, "-I", "-S", "-c", PRELUDE, str(c.cpu_s), str(c.memory_mb << 20),
                   str(c.max_processes), str(c.max_file_mb << 20)]
         if self.mode == "none":
             return python
-        jail = ["bwrap", "--ro-bind", "/", "/", "--tmpfs", "/tmp", "--bind", str(work), WORKDIR, "--proc", "/proc",
+        # the sandbox's /tmp is its own: an interpreter installed under the host's /tmp is bound in, read-only
+        hidden = [p for p in {os.path.realpath(sys.base_prefix), os.path.dirname(interpreter)} if p.startswith("/tmp/")]
+        jail = ["bwrap", "--ro-bind", "/", "/", "--tmpfs", "/tmp", *[a for p in sorted(hidden) for a in ("--ro-bind", p, p)],
+                "--bind", str(work), WORKDIR, "--proc", "/proc",
                 "--dev", "/dev", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
                 "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--clearenv",
                 "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", WORKDIR, "--chdir", WORKDIR]
