@@ -132,29 +132,18 @@ def answer_of(reward: str, completion: str):
 
 def generate_all(engine, scorer, tokenizer, prompts, metadata, n, seed, batch, greedy, bar, answer, cfg):
     """This rank's prompts in batches: per prompt, its n samples as (completion text, reward, answer);
-    with a multi-turn environment, episodes (the text holds the environment's observations too)."""
-    from megatron_rl.rewards import combine
-    from megatron_rl.rollout.episodes import is_multi_turn, run_episodes
+    with a multi-turn environment, episodes (the text holds the environment's observations too, the
+    answer is the one the environment extracted)."""
+    from megatron_rl.rollout.episodes import generate_scored
     from megatron_rl.rollout.evaluate import decode
 
     out = []
     for b in range(0, len(prompts), batch):
         ids, meta = prompts[b:b + batch], metadata[b:b + batch]
-        seed_b = seed + 1000003 * (b // batch)
-        if is_multi_turn(cfg, scorer):
-            episodes = run_episodes(engine, scorer.runner, tokenizer, ids, meta, n, seed_b, cfg.rollout.max_turns,
-                                    cfg.rollout.max_sequence_length, greedy=greedy)
-            completions = decode(tokenizer, episodes.rollout.completions)
-            rewards = combine(episodes.rewards, scorer.weights).rewards
-            answers = episodes.answers
-        else:
-            rollout = engine.generate(ids, n=n, seed=seed_b, greedy=greedy)
-            texts = decode(tokenizer, ids)
-            completions = decode(tokenizer, rollout.completions)
-            each = range(len(completions))
-            rewards = scorer.score([texts[i // n] for i in each], completions, [meta[i // n] for i in each],
-                                   ids=(rollout.prompts, rollout.completions)).rewards
-            answers = [answer(c) for c in completions]
+        rollout, scores, answers, _ = generate_scored(engine, scorer, tokenizer, ids, meta, n, seed + 1000003 * (b // batch),
+                                                      cfg, cfg.rollout.max_sequence_length, greedy=greedy)
+        completions, rewards = decode(tokenizer, rollout.completions), scores.rewards
+        answers = answers or [answer(c) for c in completions]
         for i in range(len(ids)):
             span = slice(i * n, (i + 1) * n)
             out.append(list(zip(completions[span], rewards[span], answers[span])))

@@ -26,10 +26,10 @@ from megatron_rl import losses, platform
 from megatron_rl.config import Config, ConfigError
 from megatron_rl.data import rl as rl_data
 from megatron_rl.data.sft import Batches
-from megatron_rl.rewards import build_scorer, combine
+from megatron_rl.rewards import build_scorer
 from megatron_rl.rollout.engine import Rollout, RolloutEngine
-from megatron_rl.rollout.episodes import budget_of, is_multi_turn, run_episodes
-from megatron_rl.rollout.evaluate import decode, greedy_eval
+from megatron_rl.rollout.episodes import budget_of, generate_scored, is_multi_turn
+from megatron_rl.rollout.evaluate import greedy_eval
 from megatron_rl.rollout.routing import RoutingTape, pack_routes, routes_queued
 from megatron_rl.training.logprobs import entropy, mask_padded_vocab, token_logprobs
 from megatron_rl.training.loop import due, finish, save_if_due, schedule_metrics, start_log, train_step
@@ -135,16 +135,6 @@ class Scored:
                       sum(p.failures for p in parts), sum((p.errors for p in parts), []))
 
 
-def score(cfg: Config, runner, tokenizer, prompts, metadata, rollout) -> Scored:
-    """Score a rollout's single-turn samples."""
-    n = len(rollout.completions) // max(len(prompts), 1)
-    texts = decode(tokenizer, prompts)
-    each = range(len(rollout.completions))
-    scores = runner.score([texts[i // n] for i in each], decode(tokenizer, rollout.completions),
-                          [metadata[i // n] for i in each], ids=(rollout.prompts, rollout.completions))
-    return shaped(cfg, prompts, metadata, rollout, scores)
-
-
 def shaped(cfg: Config, prompts, metadata, rollout, scores) -> Scored:
     """A rollout with its scores; with rewards.overlong_buffer, DAPO's overlong penalty is added to the reward."""
     raw = torch.tensor(scores.rewards, dtype=torch.float)
@@ -170,15 +160,11 @@ def sample(cfg: Config, step: int, engine, runner, tokenizer, next_prompts, seed
     while True:
         prompts, metadata = next_prompts()
         seed = r.seed + step * 7919 + seed_offset + 104729 * rounds
-        if is_multi_turn(cfg, runner):
-            episodes = run_episodes(engine, runner.runner, tokenizer, prompts, metadata, r.n, seed, r.max_turns,
-                                    budget_of(cfg))
-            parts.append(shaped(cfg, prompts, metadata, episodes.rollout,
-                                combine(episodes.rewards, runner.weights, episodes.failures, episodes.errors)))
-            episode_stats.append(episodes.stats)
-        else:
-            rollout = engine.generate(prompts, n=r.n, seed=seed, tape=tape)
-            parts.append(score(cfg, runner, tokenizer, prompts, metadata, rollout))
+        rollout, scores, _, stats = generate_scored(engine, runner, tokenizer, prompts, metadata, r.n, seed, cfg,
+                                                    budget_of(cfg), tape=tape)
+        parts.append(shaped(cfg, prompts, metadata, rollout, scores))
+        if stats:  # multi-turn episodes
+            episode_stats.append(stats)
         if not a.dynamic_sampling:
             return parts[0], episode_metrics(episode_stats, len(parts[0].rollout.completions))
         want = len(parts[0].prompts)

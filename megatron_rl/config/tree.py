@@ -99,7 +99,9 @@ class Config:
                 f"algorithm.prompts_per_step x rollout.n = {samples} samples must split into algorithm.minibatches="
                 f"{a.minibatches} minibatches of whole microbatches (data.micro_batch_size={self.data.micro_batch_size})"
                 f" on each of {dp} data-parallel ranks, and prompts_per_step into the ranks; adjust them.")
-        if self.model.num_experts and (r.max_turns > 1 or self.rewards.fn in ("code", "code_off", "sliding_puzzle")):
+        from megatron_rl.environments import ENVIRONMENTS
+
+        if self.model.num_experts and (r.max_turns > 1 or self.rewards.fn in ENVIRONMENTS):
             raise ConfigError(f"rewards.fn={self.rewards.fn} with rollout.max_turns={r.max_turns} rolls out multi-turn "
                               "episodes, which cannot record or replay an MoE model's routing yet (each turn prefills its "
                               "episode again); use a dense model.")

@@ -41,11 +41,36 @@ def is_multi_turn(cfg, scorer) -> bool:
     return getattr(scorer, "multi_turn", False) or cfg.rollout.max_turns > 1
 
 
+def generate_scored(engine, scorer, tokenizer, prompts: list[list[int]], metadata: list[dict], n: int, seed: int,
+                    cfg=None, budget: int = 0, greedy: bool = False, tape=None):
+    """n samples of each prompt and their Scores: one completion each, scored by the reward function
+    or model; or, with a multi-turn environment (cfg says so; without cfg, single-turn), episodes of at
+    most `budget` tokens. Returns (rollout, scores, the environment's answers (None for single-turn
+    samples), episode statistics ({} for them))."""
+    from megatron_rl.rewards import combine
+    from megatron_rl.rollout.evaluate import decode
+
+    if cfg is not None and is_multi_turn(cfg, scorer):
+        episodes = run_episodes(engine, scorer.runner, tokenizer, prompts, metadata, n, seed, cfg.rollout.max_turns,
+                                budget, greedy)
+        scores = combine(episodes.rewards, scorer.weights, episodes.failures, episodes.errors)
+        return episodes.rollout, scores, episodes.answers, episodes.stats
+    rollout = engine.generate(prompts, n=n, seed=seed, greedy=greedy, tape=tape)
+    texts = decode(tokenizer, prompts)
+    each = range(len(rollout.completions))
+    scores = scorer.score([texts[i // n] for i in each], decode(tokenizer, rollout.completions),
+                          [metadata[i // n] for i in each], ids=(rollout.prompts, rollout.completions))
+    return rollout, scores, None, {}
+
+
 def _add(total, reward):
+    """Rewards summed over turns: numbers, or named components (a missing one counts 0)."""
     if isinstance(reward, dict):
         base = total if isinstance(total, dict) else {}
         return {k: base.get(k, 0.0) + reward.get(k, 0.0) for k in {*base, *reward}}
-    return total + reward if not isinstance(total, dict) else {k: v for k, v in total.items()}
+    if isinstance(total, dict):  # a number after named components: an environment mixing the two; ignored
+        return total
+    return total + reward
 
 
 def run_episodes(engine, runner, tokenizer, prompts: list[list[int]], metadata: list[dict], n: int, seed: int,

@@ -17,20 +17,13 @@ def greedy_eval(engine, scorer, tokenizer, prompts: list[list[int]], metadata: l
     multi-turn environment (cfg's rollout.max_turns and sequence budget), greedy episodes."""
     from megatron.core import parallel_state as ps
 
-    from megatron_rl.rollout.episodes import budget_of, is_multi_turn, run_episodes
+    from megatron_rl.rollout.episodes import budget_of, generate_scored
 
     rank, size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     mine = prompts[rank::size]
-    if cfg is not None and is_multi_turn(cfg, scorer):
-        from megatron_rl.rewards import combine
-
-        episodes = run_episodes(engine, scorer.runner, tokenizer, mine, metadata[rank::size], 1, 0,
-                                cfg.rollout.max_turns, budget_of(cfg), greedy=True)
-        rewards = torch.tensor(combine(episodes.rewards, scorer.weights).rewards)
-    else:
-        rollout = engine.generate(mine, n=1, greedy=True)
-        rewards = torch.tensor(scorer.score(decode(tokenizer, mine), decode(tokenizer, rollout.completions),
-                                            metadata[rank::size], ids=(mine, rollout.completions)).rewards)
+    _, scores, _, _ = generate_scored(engine, scorer, tokenizer, mine, metadata[rank::size], 1, 0, cfg,
+                                      budget_of(cfg) if cfg is not None else 0, greedy=True)
+    rewards = torch.tensor(scores.rewards)
     out = global_mean({"val/reward_mean": rewards.sum().item(), "val/accuracy": (rewards >= 1).sum().item()},
                       len(mine))
     names = sorted({m["teacher"] for m in metadata if "teacher" in m})  # the same on every rank
