@@ -75,6 +75,25 @@ def _packed_cp_mask(cu_seqlens: torch.Tensor, cp: int, rank: int, window: int) -
 # when its length is a multiple of this (tests/test_paged_attention.py).
 PACKED_MULTIPLE = 16
 
+# The same kernel sums softmax(q k) v over a sequence's keys (up to 512 of them) in one GEMM, whose
+# summation order depends on the number of keys once it exceeds ONE_PASS_KEYS (measured: from 208
+# keys on, most tokens' outputs change with the key count; up to 192, any count from the token's
+# own, rounded up to 16, gives the same numbers). So where training sequences may be longer than
+# that, all attention on CPU runs over exactly `training_keys` keys (data.seq_length, set by
+# build_model), the rest masked: the training forward (unpacked rows have that length; packed
+# samples are padded to it) and the rollout's prefill and decode (platform/paged_attention.py).
+ONE_PASS_KEYS = 192
+training_keys = 0
+
+
+def attention_keys(needed: int, device) -> int:
+    """How many keys attention over a sequence of `needed` keys runs over (the rest masked) for its
+    tokens to agree with the training forward's bit for bit: `training_keys` on CPU when that is more
+    than ONE_PASS_KEYS and covers the sequence; otherwise `needed`."""
+    if device.type == "cpu" and training_keys > ONE_PASS_KEYS and needed <= training_keys:
+        return training_keys
+    return needed
+
 
 class CoreAttention(MegatronModule):
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
@@ -124,8 +143,9 @@ class CoreAttention(MegatronModule):
         """Causal attention within each sample of a packed row (THD: query (t, heads, dk), key and value
         (t, groups, d), samples starting at cu_seqlens) -> (t, heads * dv). Samples of one padded length
         go through one scaled_dot_product_attention call. On CPU each is padded to a multiple of
-        PACKED_MULTIPLE there (zeros after its last token, which no query attends to): torch's flash
-        kernel then computes it as the unpacked forward and the rollout's decode do, bit for bit."""
+        PACKED_MULTIPLE there, or to training_keys (see ONE_PASS_KEYS), with zeros after its last token,
+        which no query attends to: torch's flash kernel then computes it as the unpacked forward and
+        the rollout's decode do, bit for bit."""
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         if self.cp > 1:
             return self._packed_context_parallel(query, key, value, cu)
@@ -133,6 +153,8 @@ class CoreAttention(MegatronModule):
         starts, lengths = cu[:-1].long(), cu.diff().long()
         multiple = PACKED_MULTIPLE if query.device.type == "cpu" else 1
         padded = -(-lengths // multiple) * multiple
+        if attention_keys(1, query.device) > 1:  # long sequences: every sample over training_keys keys
+            padded = torch.where(lengths <= training_keys, training_keys, padded)
         if multiple > 1:  # row t: zeros, where padding slots read from
             query, key, value = (torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in (query, key, value))
         out = query.new_empty(t, heads, value.shape[-1])

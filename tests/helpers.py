@@ -91,9 +91,11 @@ def worst_logprob_mismatch(engine, chunk, prompts: list[list[int]], seeds, vocab
     return worst
 
 
-def random_char_engine(tmp_path, max_new_tokens: int, stop: tuple = ()):
+def random_char_engine(tmp_path, max_new_tokens: int, stop: tuple = (), seq_length: int = 32,
+                       alphabet: str = "0123456789+="):
     """A random model over the characters of sums (init std 0.5: it samples widely) and the rollout
-    engine on it, in this process (needs the one_process fixture): (tokenizer, model chunks, engine)."""
+    engine on it, in this process (needs the one_process fixture): (tokenizer, model chunks, engine).
+    seq_length: the training length (data.seq_length) the rollout's attention agrees with."""
     import torch
 
     from megatron_rl.config import Config
@@ -101,11 +103,12 @@ def random_char_engine(tmp_path, max_new_tokens: int, stop: tuple = ()):
     from megatron_rl.rollout.engine import RolloutEngine
     from megatron_rl.training.setup import build_model
 
-    tok = build_char_tokenizer("0123456789+=", tmp_path / "tok")
+    tok = build_char_tokenizer(alphabet, tmp_path / "tok")
     cfg = Config()
     cfg.model.vocab_size = len(tok)
     cfg.model.init_method_std = 0.5
     cfg.rollout.max_new_tokens = max_new_tokens
     cfg.rollout.stop = list(stop)
+    cfg.data.seq_length = seq_length
     chunks, _ = build_model(cfg, wrap_ddp=False)
     return tok, chunks, RolloutEngine(chunks, cfg.model, tok, cfg.rollout, torch.float32)

@@ -213,6 +213,9 @@ CASES = {
     "row naming a teacher not given": (lambda f: ["--recipe", "tiny_mopd", *QUIET, f"distill.teachers=add:{f['ckpt']}"],
                                        "names teacher 'sub', which distill.teachers does not have (add)"),
     "unknown arithmetic operation": (lambda f: ["--recipe", "tiny_sft", "data.ops=/"], "data.ops='/' must be"),
+    "chat observations without a chat template": (
+        lambda f: _grpo(f, "good", "rewards.fn=sliding_puzzle", "rollout.observation_format=chat"),
+        "rollout.observation_format=chat needs a tokenizer with a chat template"),
     # reward functions
     "reward not module:function": (lambda f: _grpo(f, "good", "rewards.fn=closeness"), "module:function"),
     "reward import error": (lambda f: _grpo(f, "good", "rewards.fn=badreward:score"), "cannot be loaded"),

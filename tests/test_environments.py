@@ -213,10 +213,9 @@ def test_grpo_with_the_code_tool(tmp_path):
 
 
 @pytest.mark.parametrize("recipe, overrides, message", [
-    ("tiny_moe_grpo", ["rollout.max_turns=3"], "cannot record or replay an MoE model's routing yet"),
-    ("tiny_moe_grpo", ["rewards.fn=sliding_puzzle"], "cannot record or replay an MoE model's routing yet"),
     ("tiny_grpo_rm", ["rollout.max_turns=2"], "rollout.max_turns=2 needs an environment to answer the turns"),
     ("tiny_grpo", ["rollout.max_turns=0"], "rollout.max_turns=0 must be positive"),
+    ("tiny_grpo", ["rollout.observation_format=xml"], "rollout.observation_format='xml' must be 'text' or 'chat'"),
     ("tiny_sft", ["data.tool=calculator"], "data.tool='calculator': the built-in tool is 'code'"),
     ("tiny_sft", ["data.ops=/"], "data.ops='/' must be '+', '-', '+-' or '*'"),
 ])

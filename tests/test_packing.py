@@ -94,18 +94,20 @@ def test_pack_places_samples_in_segments():
     assert row[48:88].tolist() == list(range(80, 120)) and row[88:96].eq(-1).all()  # 48 > S = 40: cut at the grid
 
 
-def test_packed_forward_equals_unpacked_and_no_sample_sees_another(one_process):
+@pytest.mark.parametrize("s,budget", [(48, 128), (224, 512)], ids=["short", "long"])
+def test_packed_forward_equals_unpacked_and_no_sample_sees_another(one_process, s, budget):
     """Logits of every sample in a pack equal its unpacked forward's bit for bit, and changing one
-    sample's tokens changes no other sample's logits."""
+    sample's tokens changes no other sample's logits. Long rows: samples beyond attention.ONE_PASS_KEYS
+    keys are padded to the training length as unpacked rows are."""
     from megatron_rl.config import Config
     from megatron_rl.training.setup import build_trainee
     from megatron_rl.training.step import forward_only, make_microbatches
 
     cfg = Config()
-    cfg.model.vocab_size, cfg.data.seq_length = 20, 48
+    cfg.model.vocab_size, cfg.data.seq_length = 20, s
     trainee = build_trainee(cfg)
     g = torch.Generator().manual_seed(0)
-    n, s = 8, 48
+    n = 8
     lengths = torch.randint(4, s, (n,), generator=g)
     tokens = torch.randint(1, 20, (n, s), generator=g)
     mask = torch.zeros(n, s)
@@ -127,11 +129,11 @@ def test_packed_forward_equals_unpacked_and_no_sample_sees_another(one_process):
         return out
 
     seen = mask > 0
-    unpacked, packed = logits(batch, 0), logits(batch, 128)
+    unpacked, packed = logits(batch, 0), logits(batch, budget)
     assert torch.equal(packed[seen], unpacked[seen])
     changed = {**batch, "tokens": batch["tokens"].clone()}
     changed["tokens"][3, : lengths[3]] = (changed["tokens"][3, : lengths[3]] % 19) + 1
-    after = logits(changed, 128)
+    after = logits(changed, budget)
     others = seen.clone()
     others[3] = False
     assert torch.equal(after[others], packed[others]) and not torch.equal(after[3][seen[3]], packed[3][seen[3]])

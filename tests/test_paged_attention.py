@@ -77,15 +77,34 @@ def test_decode_needs_min_gemm_rows(monkeypatch):
     assert not all(decode_matches_training(4, 2, 16)), "MIN_GEMM_ROWS is not needed any more"
 
 
-def test_prefill_equals_training_attention_bitwise():
-    """Packed prompts of different lengths, each with its own cache blocks."""
-    q, k, v, g = random_qkv(4, 48, 8, 2, 32)
+def prefill_matches_training(lengths: list[int], seq: int = 0, seed: int = 0) -> list[bool]:
+    """Per request: whether prefilling packed prompts of these lengths, each with its own cache blocks,
+    gives the outputs of the training forward (of seq tokens; default the longest prompt) bit for bit."""
+    q, k, v, g = random_qkv(len(lengths), seq or max(lengths), 8, 2, 32, seed=seed)
     expected = training_attention(q, k, v)
     k_cache, v_cache, table = paged_cache(k, v, g)
-    lengths = [48, 5, 33, 16]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     packed = torch.cat([q[i, :n] for i, n in enumerate(lengths)])
     out = paged_attention.flash_attn_varlen_func(packed, k_cache, v_cache, cu, cu, max(lengths), max(lengths),
                                                  block_table=table)
-    for i, n in enumerate(lengths):
-        assert torch.equal(out[cu[i]:cu[i + 1]], expected[i, :n]), f"request {i}"
+    return [torch.equal(out[cu[i]:cu[i + 1]], expected[i, :n]) for i, n in enumerate(lengths)]
+
+
+def test_prefill_equals_training_attention_bitwise():
+    assert prefill_matches_training([48, 5, 33, 16]) == [True] * 4
+
+
+def test_long_sequences_attend_over_the_training_length(monkeypatch):
+    """Beyond attention.ONE_PASS_KEYS keys, torch's CPU kernel sums a token's attention in an order
+    that depends on the key count: decode and prefill then run over exactly the training forward's
+    length (attention.training_keys), whatever each request's own length, and agree bit for bit."""
+    from model_providers import attention
+
+    seq = 288
+    monkeypatch.setattr(attention, "training_keys", seq)
+    assert decode_matches_training(8, 2, seq) == [True] * seq
+    assert prefill_matches_training([seq, 5, 200, 150], seed=1) == [True] * 4
+    assert prefill_matches_training([230, 5, 200, 150], seq, seed=1) == [True] * 4
+    monkeypatch.setattr(attention, "training_keys", 0)  # attention over each request's own blocks
+    assert not all(decode_matches_training(8, 2, seq)), "long sequences need no fixed key count any more"
+    assert not all(prefill_matches_training([230, 5, 200, 150], seq, seed=1))

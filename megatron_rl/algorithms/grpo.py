@@ -28,7 +28,7 @@ from megatron_rl.data import rl as rl_data
 from megatron_rl.data.sft import Batches
 from megatron_rl.rewards import build_scorer
 from megatron_rl.rollout.engine import Rollout, RolloutEngine
-from megatron_rl.rollout.episodes import budget_of, generate_scored, is_multi_turn
+from megatron_rl.rollout.episodes import budget_of, check_observation_format, generate_scored
 from megatron_rl.rollout.evaluate import greedy_eval
 from megatron_rl.rollout.routing import RoutingTape, pack_routes, routes_queued
 from megatron_rl.training.logprobs import entropy, mask_padded_vocab, token_logprobs
@@ -257,6 +257,7 @@ def run(cfg: Config, run_dir: Path, critic_class=None) -> dict:
 
     a, r = cfg.algorithm, cfg.rollout
     tokenizer, (train_prompts, train_meta), (val_prompts, val_meta) = rl_data.prompt_splits(cfg, run_dir)
+    check_observation_format(cfg, tokenizer)
     trainee = build_trainee(cfg)
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     stream = Batches({"index": torch.arange(len(train_prompts))}, a.prompts_per_step, cfg.data.seed, dp_rank, dp)
@@ -278,9 +279,6 @@ def run(cfg: Config, run_dir: Path, critic_class=None) -> dict:
         tape = RoutingTape(trainee.model, cfg.model.moe_topk, cfg.parallel.sp)
         ref_tape = RoutingTape(reference, cfg.model.moe_topk, cfg.parallel.sp) if reference is not None else None
     runner = build_scorer(cfg, cfg.rewards.fn, tokenizer)
-    if tape is not None and is_multi_turn(cfg, runner):
-        raise ConfigError(f"rewards.fn={cfg.rewards.fn} rolls out multi-turn episodes, which cannot record or replay an "
-                          "MoE model's routing yet (each turn prefills its episode again); use a dense model.")
     val_fn = cfg.rewards.val_fn or cfg.rewards.fn
     val_scorer = runner if val_fn == cfg.rewards.fn else build_scorer(cfg, val_fn, tokenizer)
     by_model = cfg.rewards.fn == "reward_model"

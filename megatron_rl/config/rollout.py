@@ -25,6 +25,11 @@ class RolloutConfig:
     """Turns of the model per episode with a multi-turn environment (rewards.fn=code, sliding_puzzle...):
     the environment's observation follows each turn, out of the loss, and the episode is one training
     sequence of at most data.seq_length + 1 tokens."""
+    observation_format: str = "text"
+    """How an environment's observation joins an episode: 'text', its text tokenized on its own; 'chat',
+    as a message (role: the environment's `role`, e.g. 'tool' or 'user') rendered by the tokenizer's
+    chat template, with the end-of-turn tokens that close the model's turn and the generation prompt
+    that opens its next one (prompts are then rendered with the same template)."""
     seed: int = 0
     """Sampling seed; step s of a run samples with seed + s (and the data-parallel rank)."""
     max_sequence_length: int = 256
@@ -39,6 +44,8 @@ class RolloutConfig:
 
     def validate(self):
         positive(self, "n", "max_new_tokens", "max_requests", "max_tokens", "block_size_tokens", "max_turns")
+        if self.observation_format not in ("text", "chat"):
+            raise ConfigError(f"rollout.observation_format={self.observation_format!r} must be 'text' or 'chat'.")
         if self.top_k and self.top_p:
             raise ConfigError("rollout.top_k and rollout.top_p cannot both be set; pick one (0 turns one off).")
         if not 0.0 <= self.top_p <= 1.0 or self.temperature <= 0:

@@ -99,12 +99,6 @@ class Config:
                 f"algorithm.prompts_per_step x rollout.n = {samples} samples must split into algorithm.minibatches="
                 f"{a.minibatches} minibatches of whole microbatches (data.micro_batch_size={self.data.micro_batch_size})"
                 f" on each of {dp} data-parallel ranks, and prompts_per_step into the ranks; adjust them.")
-        from megatron_rl.environments import ENVIRONMENTS
-
-        if self.model.num_experts and (r.max_turns > 1 or self.rewards.fn in ENVIRONMENTS):
-            raise ConfigError(f"rewards.fn={self.rewards.fn} with rollout.max_turns={r.max_turns} rolls out multi-turn "
-                              "episodes, which cannot record or replay an MoE model's routing yet (each turn prefills its "
-                              "episode again); use a dense model.")
         if r.max_turns > 1 and self.rewards.fn == "reward_model":
             raise ConfigError(f"rollout.max_turns={r.max_turns} needs an environment to answer the turns; a reward model "
                               "scores one completion: set rollout.max_turns=1.")

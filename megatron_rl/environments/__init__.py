@@ -46,6 +46,7 @@ class Environment:
 
     batched = False
     stop: list[str] = []  # stop strings of the first turn (besides the rollout's and eos)
+    role = "user"  # its observations' role in a chat template (rollout.observation_format=chat)
 
     def step(self, conversations: list[list[dict]], metadata: list[dict]) -> list[Turn]:
         return [self.step_one(c, m) for c, m in zip(conversations, metadata)]

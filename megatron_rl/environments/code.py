@@ -14,6 +14,7 @@ CALL = re.compile(r"<code>(.*?)</code>\s*$", re.S)
 
 class CodeEnvironment(Environment):
     stop = ["</code>"]
+    role = "tool"
     max_result_chars = 256  # of the program's output, in the observation
 
     def __init__(self, cfg=None):

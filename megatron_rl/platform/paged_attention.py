@@ -3,13 +3,16 @@
 megatron-core's dynamic engine keeps the KV cache in fixed-size blocks and calls two flash-attn
 kernels: `flash_attn_varlen_func` (prefill: packed queries of several requests) and
 `flash_attn_with_kvcache` (decode: one query per request). These are vectorized torch versions
-with the same signatures: gather each request's blocks in use (whole blocks), then one
+with the same signatures: gather each request's blocks in use (whole blocks; or as many keys as
+the training forward's attention runs over, model_providers/attention.py ONE_PASS_KEYS), then one
 scaled_dot_product_attention call for the whole batch, masked by length (causal, aligned to the
 end of each request's keys).
 """
 
 import torch
 import torch.nn.functional as F
+
+from model_providers.attention import attention_keys
 
 
 def _gather_kv(k_cache, v_cache, block_table, length):
@@ -18,10 +21,23 @@ def _gather_kv(k_cache, v_cache, block_table, length):
     (num_blocks, block_size, heads, d). index_select copies whole blocks (4x faster on CPU than
     advanced indexing, which computes an offset per element)."""
     bs = k_cache.shape[1]
-    used = block_table[:, : max(1, -(-length // bs))].clamp(min=0)  # -1 marks unused slots
+    blocks = max(1, -(-length // bs))
+    used = block_table[:, :blocks].clamp(min=0)  # -1 marks unused slots
+    if used.shape[1] < blocks:  # attention over more keys than the table holds (attention_keys): masked
+        used = F.pad(used, (0, blocks - used.shape[1]))
     b, nb = used.shape
     flat = used.flatten()
     return (x.index_select(0, flat).view(b, nb * bs, *x.shape[2:]).transpose(1, 2) for x in (k_cache, v_cache))
+
+
+def _keys(k_cache, v_cache, block_table, needed: int, device):
+    """Each request's cached keys and values over the whole blocks covering `needed` keys, or over
+    exactly attention_keys(needed) keys where the training forward's attention runs over that many."""
+    length = attention_keys(needed, device)
+    keys, values = _gather_kv(k_cache, v_cache, block_table, length)
+    if length != needed:
+        keys, values = keys[:, :, :length], values[:, :, :length]
+    return keys, values
 
 
 # GEMM calls with fewer rows than this sum each dot product in another order (MKL, measured on
@@ -38,7 +54,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cau
     head exactly as the training forward's causal attention computes that token, so that rollout
     and training logprobs agree bit for bit here. It reads the gathered keys in place (no
     transposed copies) and costs about half as much as explicit matmuls and softmax."""
-    k, v = _gather_kv(k_cache, v_cache, block_table, int(cache_seqlens.max()))  # (B, groups, L, d)
+    k, v = _keys(k_cache, v_cache, block_table, int(cache_seqlens.max()), q.device)  # (B, groups, L, d)
     b, groups, length, d = k.shape
     per_group = q.shape[2] // groups
     qg = q.reshape(b, groups, per_group, d)  # heads are ordered group-major
@@ -76,7 +92,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     pos = torch.arange(n, device=q.device) - cu_seqlens_q[requests]  # position within the request's queries
     padded = q.new_zeros(len(q_lens), int(max_seqlen_q), *q.shape[1:])  # (B, max_q, heads, d)
     padded[requests, pos] = q[:n]
-    keys, values = _gather_kv(k, v, block_table, int(max_seqlen_k))  # (B, groups, L, d)
+    keys, values = _keys(k, v, block_table, int(max_seqlen_k), q.device)  # (B, groups, L, d)
     key_pos = torch.arange(keys.shape[2], device=q.device)[None, None, :]  # (1, 1, L)
     query_pos = (k_lens - q_lens)[:, None, None] + torch.arange(int(max_seqlen_q), device=q.device)[None, :, None]
     mask = (key_pos <= query_pos) & (key_pos < k_lens[:, None, None])  # (B, max_q, L)

@@ -237,10 +237,12 @@ class RolloutEngine:
             stop_words=stop or None)
 
     def generate(self, prompts: list[list[int]], n: int = 1, seed: int = 0, greedy: bool = False,
-                 tape=None, stops: list[list[str]] | None = None, max_new_tokens: list[int] | None = None) -> Rollout:
+                 tape=None, stops: list[list[str]] | None = None, max_new_tokens: list[int] | None = None,
+                 routes: list | None = None) -> Rollout:
         """n samples for each prompt (token ids), reproducible for a given seed. tape: a RoutingTape
-        of the model, which then records the experts every MoE layer chose for every token fed. stops
-        and max_new_tokens: each prompt's own stop strings and token budget (multi-turn episodes)."""
+        of the model, which then records the experts every MoE layer chose for every token fed. stops,
+        max_new_tokens and routes: each prompt's own stop strings, token budget and the experts of its
+        first tokens from an earlier turn, which route them again (multi-turn episodes)."""
         stops = stops or [None] * len(prompts)
         budgets = max_new_tokens or [0] * len(prompts)
         self.engine.reset()
@@ -257,7 +259,7 @@ class RolloutEngine:
                     order.append(request_id)
             done = {}
             if tape is not None:
-                tape.start_recording(self.context)
+                tape.start_recording(self.context, {k: routes[k // n] for k in order} if routes else None)
             with torch.inference_mode():
                 while self.engine.has_unfinished_requests():
                     watchdog.beat("rollout")

@@ -2,7 +2,9 @@
 
 Turn by turn, every episode still going is generated (its prompt and everything after it, as token
 ids) with its own stop strings and token budget; the environment steps the batch; each episode's
-observation is tokenized on its own and appended, marked out of the loss (mask 0). The model's tokens
+observation is tokenized on its own and appended, marked out of the loss (mask 0): its text, or with
+rollout.observation_format=chat, what the chat template puts between the model's turns (the model's
+end-of-turn tokens, the observation as a message, the generation prompt). The model's tokens
 are kept exactly as generated, stop strings included: nothing is decoded and tokenized again, which
 could change ids and break the agreement of rollout and training log-probs.
 
@@ -18,6 +20,9 @@ at these lengths, a small cost).
 
 from dataclasses import dataclass
 
+import torch
+
+from megatron_rl.config import ConfigError
 from megatron_rl.rollout.engine import Rollout
 
 
@@ -41,6 +46,12 @@ def is_multi_turn(cfg, scorer) -> bool:
     return getattr(scorer, "multi_turn", False) or cfg.rollout.max_turns > 1
 
 
+def check_observation_format(cfg, tokenizer):
+    if cfg.rollout.observation_format == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("rollout.observation_format=chat needs a tokenizer with a chat template, and this one has "
+                          "none; use rollout.observation_format=text or a chat model's tokenizer.")
+
+
 def generate_scored(engine, scorer, tokenizer, prompts: list[list[int]], metadata: list[dict], n: int, seed: int,
                     cfg=None, budget: int = 0, greedy: bool = False, tape=None):
     """n samples of each prompt and their Scores: one completion each, scored by the reward function
@@ -51,8 +62,9 @@ def generate_scored(engine, scorer, tokenizer, prompts: list[list[int]], metadat
     from megatron_rl.rollout.evaluate import decode
 
     if cfg is not None and is_multi_turn(cfg, scorer):
+        check_observation_format(cfg, tokenizer)
         episodes = run_episodes(engine, scorer.runner, tokenizer, prompts, metadata, n, seed, cfg.rollout.max_turns,
-                                budget, greedy)
+                                budget, greedy, tape)
         scores = combine(episodes.rewards, scorer.weights, episodes.failures, episodes.errors)
         return episodes.rollout, scores, episodes.answers, episodes.stats
     rollout = engine.generate(prompts, n=n, seed=seed, greedy=greedy, tape=tape)
@@ -61,6 +73,19 @@ def generate_scored(engine, scorer, tokenizer, prompts: list[list[int]], metadat
     scores = scorer.score([texts[i // n] for i in each], decode(tokenizer, rollout.completions),
                           [metadata[i // n] for i in each], ids=(rollout.prompts, rollout.completions))
     return rollout, scores, None, {}
+
+
+def observation_ids(tokenizer, text: str, form: str = "text", role: str = "user") -> list[int]:
+    """An observation's token ids, tokenized on their own: its text; or (form 'chat') what the chat
+    template renders between the model's turn and its next one: the model's end-of-turn tokens, the
+    observation as a `role` message, and the generation prompt."""
+    if form == "chat":
+        mark = "\x00turn\x00"  # the model's turn, whose end the template closes
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "."}, {"role": "assistant", "content": mark}, {"role": role, "content": text}],
+            tokenize=False, add_generation_prompt=True)
+        text = rendered[rendered.index(mark) + len(mark):]
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def _add(total, reward):
@@ -74,9 +99,11 @@ def _add(total, reward):
 
 
 def run_episodes(engine, runner, tokenizer, prompts: list[list[int]], metadata: list[dict], n: int, seed: int,
-                 max_turns: int, budget: int, greedy: bool = False) -> Episodes:
+                 max_turns: int, budget: int, greedy: bool = False, tape=None) -> Episodes:
     """n episodes per prompt (token ids), episode i*n + j of prompt i. runner: the environment's
-    EnvRunner; budget: the most tokens an episode (prompt included) may hold."""
+    EnvRunner; budget: the most tokens an episode (prompt included) may hold. tape: an MoE model's
+    RoutingTape: each token's experts are those of the pass that fed it first (its turn's prefill
+    or decode), which later turns' prefills route it to again; the rollout holds each episode's."""
     from megatron_rl.rollout.evaluate import decode
 
     env = runner.env
@@ -89,18 +116,23 @@ def run_episodes(engine, runner, tokenizer, prompts: list[list[int]], metadata: 
     stop = [list(engine.cfg.stop) + list(env.stop)] * count
     reward, answer, failed = [0.0] * count, [None] * count, [False] * count
     turns, ending, generated, observed = [0] * count, ["max_turns"] * count, [0] * count, [0] * count
-    errors = []
+    errors, routes = [], [None] * count
     active = [i for i in range(count) if budget - len(prompt[i]) > 0]
     for i in set(range(count)) - set(active):
         ending[i] = "truncated"
+        if tape is not None:
+            routes[i] = torch.full((0, len(tape.layers), tape.topk), -1, dtype=torch.long)
     for turn in range(max_turns):
         if not active:
             break
         room = [budget - len(prompt[i]) - len(ids[i]) for i in active]
         out = engine.generate([prompt[i] + ids[i] for i in active], n=1, seed=seed + 104729 * turn, greedy=greedy,
                               stops=[stop[i] for i in active],
-                              max_new_tokens=[min(engine.cfg.max_new_tokens, r) for r in room])
+                              max_new_tokens=[min(engine.cfg.max_new_tokens, r) for r in room], tape=tape,
+                              routes=[routes[i] for i in active] if tape is not None and turn else None)
         for k, i in enumerate(active):
+            if tape is not None:
+                routes[i] = out.routes[k]
             ids[i] += out.completions[k]
             mask[i] += [1.0] * len(out.completions[k])
             logp[i] += out.logprobs[k]
@@ -127,7 +159,7 @@ def run_episodes(engine, runner, tokenizer, prompts: list[list[int]], metadata: 
                 continue
             if turns[i] == max_turns:
                 continue
-            obs = tokenizer(t.observation, add_special_tokens=False)["input_ids"]
+            obs = observation_ids(tokenizer, t.observation, engine.cfg.observation_format, getattr(env, "role", "user"))
             if len(prompt[i]) + len(ids[i]) + len(obs) + 1 > budget:
                 ending[i] = "truncated"
                 continue
@@ -148,5 +180,6 @@ def run_episodes(engine, runner, tokenizer, prompts: list[list[int]], metadata: 
              "rollout/generated_tokens_mean": sum(generated) / count,
              "rollout/observation_tokens_mean": sum(observed) / count}
     rollout = Rollout(prompts=prompt, completions=ids, logprobs=logp,
-                      truncated=[e == "truncated" for e in ending], masks=mask)
+                      truncated=[e == "truncated" for e in ending], masks=mask,
+                      routes=routes if tape is not None else [])
     return Episodes(rollout, reward, answer, sum(failed), errors[:5], stats)

@@ -6,7 +6,10 @@ model (megatron's keeps all instances of the process in one global list, which a
 reference policy, would mix up):
 
 - record: during the rollout (prefill and every decode step) it keeps the experts of each token
-  the engine fed, keyed by (request id, position) from the dynamic context;
+  the engine fed, keyed by (request id, position) from the dynamic context. Tokens whose experts
+  an earlier pass recorded (a multi-turn episode's earlier turns, which each turn prefills again)
+  are routed to those experts again: every token keeps the routing of the pass that generated it,
+  and the KV cache later turns read was computed with it;
 - replay: for each training-side forward (old policy, reference, training), `queue` loads each
   microbatch's routes cut as the router sees its tokens (sequence-major; this rank's context- and
   sequence-parallel share); forwards take them in microbatch order, and a forward that autograd
@@ -40,8 +43,7 @@ class LayerTape:
 
         if tape.mode == "record":
             probs, chosen = own_choice()
-            tape.record(self.layer, chosen)
-            return probs, chosen
+            return tape.record(self.layer, scores, probs, chosen)
         if tape.mode not in ("replay", "observe"):
             return own_choice()
         in_backward = torch._C._current_graph_task_id() != -1  # a forward re-run by activation recompute
@@ -81,6 +83,7 @@ class RoutingTape:
                     module.router_replay = LayerTape(self, len(self.layers))
                     self.layers.append(module.router_replay)
         self.context = None
+        self.known = None  # (request id -> row, experts (rows, tokens, layers, topk)) routed again
         self.records: list[list] = []
         self.counts = dict.fromkeys(("replayed", "routed", "recomputed", "mismatched", "compared"), 0)
 
@@ -93,13 +96,25 @@ class RoutingTape:
         return counts
 
     # --- rollout -------------------------------------------------------------------------------
-    def start_recording(self, context):
+    def start_recording(self, context, known: dict | None = None):
+        """known: per request id, the experts (tokens, layers, topk) of its first tokens from an
+        earlier pass, which route those tokens again."""
         self.mode, self.context = "record", context
         self.records = [[] for _ in self.layers]
+        self.known = None
+        if known:
+            longest = max(len(r) for r in known.values())
+            table = torch.full((len(known), max(longest, 1), len(self.layers), self.topk), -1, dtype=torch.long)
+            row_of = torch.full((max(known) + 2,), -1, dtype=torch.long)  # request id -> row; the last: unknown ids
+            for row, (request, experts) in enumerate(known.items()):
+                table[row, :len(experts)] = experts
+                row_of[request] = row
+            self.known = (row_of, table)
 
-    def record(self, layer: int, experts: torch.Tensor):
-        """The experts of one engine step's tokens, with whose tokens they are. With sequence
-        parallelism this TP rank routed a slice of the step's (padded) tokens."""
+    def record(self, layer: int, scores: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor):
+        """The experts of one engine step's tokens, with whose tokens they are; those known from an
+        earlier pass replace the router's choice. Returns the (probs, experts) the layer uses. With
+        sequence parallelism this TP rank routed a slice of the step's (padded) tokens."""
         from megatron.core import parallel_state as ps
 
         c = self.context
@@ -108,15 +123,27 @@ class RoutingTape:
         span = torch.arange(start, start + rows, device=experts.device)
         valid = span < c.active_token_count
         span = span[valid]
-        requests = c.request_ids[c.token_to_request_idx[span]]
-        self.records[layer].append((requests.cpu(), c.token_to_pos_ids[span].cpu(), experts[valid].cpu()))
+        requests = c.request_ids[c.token_to_request_idx[span]].cpu()
+        positions = c.token_to_pos_ids[span].cpu()
+        if self.known is not None:
+            row_of, table = self.known
+            row = row_of[requests.clamp(max=len(row_of) - 1)]
+            again = table[row.clamp(min=0), positions.clamp(max=table.shape[1] - 1), layer]  # (tokens, topk)
+            again_ok = (row >= 0) & (positions < table.shape[1]) & (again >= 0).all(dim=-1)
+            if again_ok.any():
+                where = valid.nonzero()[:, 0][again_ok.to(valid.device)]
+                experts, probs = experts.clone(), probs.clone()
+                experts[where] = again[again_ok].to(experts.device, experts.dtype)
+                probs[where] = scores[where].gather(1, experts[where])
+        self.records[layer].append((requests, positions, experts[valid].cpu()))
+        return probs, experts
 
     def collect(self, request_ids: list[int], fed: list[int]) -> list[torch.Tensor]:
         """Per request, its recorded experts (fed tokens, layers, topk), -1 where none; merged over
         the tensor-parallel group (with sequence parallelism each rank recorded a slice)."""
         from megatron.core import parallel_state as ps
 
-        self.mode, self.context = None, None
+        self.mode, self.context, self.known = None, None, None
         index = {r: i for i, r in enumerate(request_ids)}
         out = torch.full((len(request_ids), max(fed, default=0), len(self.layers), self.topk), -1, dtype=torch.long)
         for layer, records in enumerate(self.records):

@@ -49,7 +49,10 @@ def build_model(cfg: Config, wrap_ddp: bool = True, meta: bool = False, adapters
     from model_providers import get_family
     from model_providers.builder import Provider
 
+    from model_providers import attention
+
     dtype = compute_dtype(cfg)
+    attention.training_keys = cfg.data.seq_length  # CPU attention of long sequences (attention.ONE_PASS_KEYS)
     get_family(cfg.model.family)  # an unknown family is a clear error before anything is built
     provider = Provider(cfg.model, cfg.parallel, dtype, fp8=cfg.fp8, recompute=cfg.train.recompute)
     tconfig = provider.transformer_config()
