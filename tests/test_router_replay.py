@@ -13,8 +13,9 @@ from tests.helpers import ROOT, column, run_train, threads, torchrun
                                            (["parallel.pp=2"], 2), (["parallel.tp=2", "parallel.sp=true"], 2),
                                            (["parallel.cp=2"], 2),
                                            (["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"], 2),
-                                           (["parallel.ep=2", "data.max_tokens_per_microbatch=48"], 2)],
-                         ids=["recompute", "ep2", "pp2", "tp2-sp", "cp2", "vpp", "ep2-packed"])
+                                           (["parallel.ep=2", "data.max_tokens_per_microbatch=48"], 2),
+                                           (["parallel.ep=2", "--episodes"], 2)],
+                         ids=["recompute", "ep2", "pp2", "tp2-sp", "cp2", "vpp", "ep2-packed", "ep2-episodes"])
 def test_router_replay(layout, nproc, tmp_path):
     cmd = [*torchrun(nproc), "tests/scripts/router_replay.py", str(tmp_path), *layout]
     env = {"PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin",
@@ -24,6 +25,7 @@ def test_router_replay(layout, nproc, tmp_path):
     results = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("result_rank*.json"))]
     r = results[0]  # the counts are summed over ranks already
     assert r["recorded_positions"] > 0
+    assert (r["observation_tokens"] > 0) == ("--episodes" in layout)  # episodes had more than one turn
     # Without an update the training forward routes as the rollout did, token by token: the routes
     # are arranged as the routers see their tokens (padding, microbatches, stages, splits).
     assert r["before_update_observe"]["compared"] > 0 and r["before_update_observe"]["mismatched"] == 0

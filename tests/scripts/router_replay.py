@@ -1,6 +1,8 @@
 """Rollout router replay (R3) on a tiny Qwen3-MoE model, in any parallel layout (torchrun).
 
-    torchrun --nproc_per_node N tests/scripts/router_replay.py OUT_DIR [section.field=value ...]
+    torchrun --nproc_per_node N tests/scripts/router_replay.py OUT_DIR [section.field=value ...] [--episodes]
+
+(--episodes: the rollout is three-turn episodes, tests/test_episodes.py's Relay environment)
 
 1. roll out with the routing tape recording;
 2. the old-policy forward, comparing its own routing with the rollout's token by token (this checks
@@ -26,10 +28,13 @@ from megatron_rl.data.tokenizer import build_char_tokenizer
 from recipes import get_recipe
 
 
+EPISODES = "--episodes"
+
+
 def main():
     out_dir, overrides = Path(sys.argv[1]), sys.argv[2:]
     cfg = apply_overrides(get_recipe("tiny_moe_grpo"), ["checkpoint.load=", "optimizer.lr=0.05", "optimizer.min_lr=0.05",
-                                                         "data.micro_batch_size=8", *overrides])
+                                                         "data.micro_batch_size=8", *(o for o in overrides if o != EPISODES)])
     tokenizer = build_char_tokenizer("0123456789+=", out_dir / f"tokenizer{os.environ.get('RANK', '0')}")
     cfg.model.vocab_size = len(tokenizer)
     launch = platform.init_distributed()
@@ -50,9 +55,19 @@ def main():
     g = torch.Generator().manual_seed(0)
     prompts = [[tokenizer.bos_token_id] + torch.randint(3, 15, (int(n),), generator=g).tolist()
                for n in torch.randint(3, 8, (8,), generator=g)]
-    rollout = engine.generate(prompts, n=2, seed=0, tape=tape)
+    if EPISODES in overrides:  # three-turn episodes: later turns' prefills replay earlier tokens' routes
+        from megatron_rl.environments import EnvRunner
+        from megatron_rl.rollout.episodes import run_episodes
+        from tests.test_episodes import Relay
+
+        runner = EnvRunner(Relay())
+        rollout = run_episodes(engine, runner, tokenizer, prompts, [{}] * len(prompts), n=2, seed=0, max_turns=3,
+                               budget=cfg.data.seq_length + 1, tape=tape).rollout
+        runner.close()
+    else:
+        rollout = engine.generate(prompts, n=2, seed=0, tape=tape)
     batch = rl_data.pack(rollout.prompts, rollout.completions, cfg.data.seq_length, tokenizer.pad_token_id,
-                         rollout_logp=rollout.logprobs)
+                         masks=rollout.masks or None, rollout_logp=rollout.logprobs)
     n = len(rollout.routes)
     batch.update(index=torch.arange(n), advantages=torch.randn(n, generator=g),
                  **pack_routes(rollout.routes, cfg.data.seq_length))
@@ -65,7 +80,8 @@ def main():
         torch.distributed.all_reduce(t)
         return dict(zip(c, t.tolist()))
 
-    result = {"recorded_positions": int(sum((r >= 0).all(-1).all(-1).sum() for r in rollout.routes))}
+    result = {"recorded_positions": int(sum((r >= 0).all(-1).all(-1).sum() for r in rollout.routes)),
+              "observation_tokens": int(sum(m.count(0.0) for m in rollout.masks))}
     logprobs_of(trainee.model, batch, cfg, tape, replay=False)
     result["before_update_observe"] = counts()
     replayed = logprobs_of(trainee.model, batch, cfg, tape, replay=True)
