@@ -24,7 +24,7 @@ QUICK = ["data.num_train=512", "data.num_val=64", "train.eval_every=0", "schedul
 DPO = ["--recipe", "tiny_dpo", *QUICK, "algorithm.average_logprobs=true", "algorithm.sft_loss_weight=0.5",
        "optimizer.lr=1e-3"]
 RM = ["--recipe", "tiny_rm", *QUICK, "algorithm.center_rewards_coefficient=0.01", "data.pad_token=",
-      "model.num_layers=2"]  # from the 2-layer tiny_sft checkpoint (the recipe trains 4 from scratch)
+      "model.num_layers=2"]  # from the 2-layer tiny_sft checkpoint (the recipe trains 6 from scratch)
 GRPO_RM = ["--recipe", "tiny_grpo_rm", *QUICK, "train.max_steps=1", "algorithm.prompts_per_step=8", "rollout.n=4",
            "data.micro_batch_size=16"]
 LN2 = math.log(2)
