@@ -86,13 +86,11 @@ ONE_PASS_KEYS = 192
 training_keys = 0
 
 
-def attention_keys(needed: int, device) -> int:
-    """How many keys attention over a sequence of `needed` keys runs over (the rest masked) for its
-    tokens to agree with the training forward's bit for bit: `training_keys` on CPU when that is more
-    than ONE_PASS_KEYS and covers the sequence; otherwise `needed`."""
-    if device.type == "cpu" and training_keys > ONE_PASS_KEYS and needed <= training_keys:
-        return training_keys
-    return needed
+def fixed_keys(device) -> int:
+    """How many keys attention on `device` runs over (the rest masked) for every sequence it covers, so
+    that its tokens agree with the training forward's bit for bit: `training_keys` on CPU when that is
+    more than ONE_PASS_KEYS; 0 otherwise (each sequence over its own keys)."""
+    return training_keys if device.type == "cpu" and training_keys > ONE_PASS_KEYS else 0
 
 
 class CoreAttention(MegatronModule):
@@ -153,8 +151,9 @@ class CoreAttention(MegatronModule):
         starts, lengths = cu[:-1].long(), cu.diff().long()
         multiple = PACKED_MULTIPLE if query.device.type == "cpu" else 1
         padded = -(-lengths // multiple) * multiple
-        if attention_keys(1, query.device) > 1:  # long sequences: every sample over training_keys keys
-            padded = torch.where(lengths <= training_keys, training_keys, padded)
+        fixed = fixed_keys(query.device)
+        if fixed:  # long sequences: every sample over that many keys
+            padded = torch.where(lengths <= fixed, fixed, padded)
         if multiple > 1:  # row t: zeros, where padding slots read from
             query, key, value = (torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in (query, key, value))
         out = query.new_empty(t, heads, value.shape[-1])

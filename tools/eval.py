@@ -175,6 +175,7 @@ def evaluate(args) -> dict:
     from megatron_rl.data.tokenizer import load_tokenizer
     from megatron_rl.rewards import build_scorer
     from megatron_rl.rollout.engine import RolloutEngine
+    from megatron_rl.rollout.episodes import check_observation_format
     from megatron_rl.rollout.evaluate import maj_at_k, pass_at_k
     from megatron_rl.training.frozen import load_frozen
     from megatron_rl.training.setup import compute_dtype
@@ -186,6 +187,7 @@ def evaluate(args) -> dict:
         from megatron_rl.config import ConfigError
         raise ConfigError(f"{args.checkpoint or args.hf!r} is a reward model (a scalar head); evaluate a policy.")
     tokenizer = load_tokenizer(frozen.tokenizer_dir, cfg.data.pad_token)
+    check_observation_format(cfg, tokenizer)
     rows = read_jsonl(args.data)
     if args.limit:
         rows = rows.keep(list(range(min(args.limit, len(rows)))))

@@ -12,7 +12,7 @@ end of each request's keys).
 import torch
 import torch.nn.functional as F
 
-from model_providers.attention import attention_keys
+from model_providers.attention import fixed_keys
 
 
 def _gather_kv(k_cache, v_cache, block_table, length):
@@ -23,7 +23,7 @@ def _gather_kv(k_cache, v_cache, block_table, length):
     bs = k_cache.shape[1]
     blocks = max(1, -(-length // bs))
     used = block_table[:, :blocks].clamp(min=0)  # -1 marks unused slots
-    if used.shape[1] < blocks:  # attention over more keys than the table holds (attention_keys): masked
+    if used.shape[1] < blocks:  # attention over more keys than the table holds (fixed_keys): masked
         used = F.pad(used, (0, blocks - used.shape[1]))
     b, nb = used.shape
     flat = used.flatten()
@@ -32,8 +32,9 @@ def _gather_kv(k_cache, v_cache, block_table, length):
 
 def _keys(k_cache, v_cache, block_table, needed: int, device):
     """Each request's cached keys and values over the whole blocks covering `needed` keys, or over
-    exactly attention_keys(needed) keys where the training forward's attention runs over that many."""
-    length = attention_keys(needed, device)
+    exactly fixed_keys(device) keys where the training forward's attention runs over that many."""
+    fixed = fixed_keys(device)
+    length = fixed if needed <= fixed else needed
     keys, values = _gather_kv(k_cache, v_cache, block_table, length)
     if length != needed:
         keys, values = keys[:, :, :length], values[:, :, :length]

@@ -47,6 +47,7 @@ def is_multi_turn(cfg, scorer) -> bool:
 
 
 def check_observation_format(cfg, tokenizer):
+    """At start (GRPO, tools/eval.py): chat observations need the tokenizer's chat template."""
     if cfg.rollout.observation_format == "chat" and not getattr(tokenizer, "chat_template", None):
         raise ConfigError("rollout.observation_format=chat needs a tokenizer with a chat template, and this one has "
                           "none; use rollout.observation_format=text or a chat model's tokenizer.")
@@ -62,7 +63,6 @@ def generate_scored(engine, scorer, tokenizer, prompts: list[list[int]], metadat
     from megatron_rl.rollout.evaluate import decode
 
     if cfg is not None and is_multi_turn(cfg, scorer):
-        check_observation_format(cfg, tokenizer)
         episodes = run_episodes(engine, scorer.runner, tokenizer, prompts, metadata, n, seed, cfg.rollout.max_turns,
                                 budget, greedy, tape)
         scores = combine(episodes.rewards, scorer.weights, episodes.failures, episodes.errors)

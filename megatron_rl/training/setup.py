@@ -46,10 +46,8 @@ def build_model(cfg: Config, wrap_ddp: bool = True, meta: bool = False, adapters
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
-    from model_providers import get_family
+    from model_providers import attention, get_family
     from model_providers.builder import Provider
-
-    from model_providers import attention
 
     dtype = compute_dtype(cfg)
     attention.training_keys = cfg.data.seq_length  # CPU attention of long sequences (attention.ONE_PASS_KEYS)
