@@ -194,7 +194,7 @@ def tiny_dpo() -> Config:
 @register
 def tiny_rm() -> Config:
     """A reward model of 2-digit addition: tiny_sft's model shape with 6 layers instead of 2 and a scalar head,
-    trained from scratch for 6000 steps with weight decay 1.0 on pairs whose rejected answers mix +-1, +-10,
+    trained from scratch for 8000 steps with weight decay 1.0 on pairs whose rejected answers mix +-1, +-10,
     random numbers and tiny_sft's own wrong samples (run tiny_sft first), so that no shortcut (the last digit
     alone, say) ranks them. With 2 layers the +-10 pairs stay near chance (the tens digit needs the carry: the
     whole sum); started from tiny_sft's 2000-step checkpoint (the language-model head dropped), it stays at
@@ -217,7 +217,7 @@ def tiny_rm() -> Config:
         rollout=RolloutConfig(max_new_tokens=5, max_sequence_length=32),
         optimizer=OptimizerConfig(lr=1e-3, min_lr=1e-4, clip_grad=1.0, weight_decay=1.0),
         scheduler=SchedulerConfig(warmup_steps=20, decay="cosine"),
-        train=TrainConfig(max_steps=6000, eval_every=500, threads=THREADS),
+        train=TrainConfig(max_steps=8000, eval_every=500, threads=THREADS),
     )
 
 
