@@ -286,9 +286,7 @@ def _onednn_backward_class(module):
             grad_input = onednn_linear(g, weight.t()).view(*grad_output.shape[:-1], weight.shape[1])
             handle = torch.distributed.all_reduce(grad_input, group=ctx.tp_group, async_op=True) \
                 if ctx.allreduce_dgrad else None
-            # an expert that got no tokens: oneDNN refuses a product over zero rows
-            grad_weight = onednn_linear(g.t(), input.reshape(-1, input.shape[-1]).t()) if len(g) else \
-                torch.zeros_like(weight)
+            grad_weight = onednn_linear(g.t(), input.reshape(-1, input.shape[-1]).t())
             grad_bias = g.sum(dim=0) if ctx.use_bias else None
             if handle is not None:
                 handle.wait()
