@@ -11,9 +11,9 @@ pytestmark = pytest.mark.xdist_group("tiny_sft")  # one worker trains the shared
 
 QUIET = ["logging.progress=false", "logging.tensorboard=false"]
 # Shortened tiny_rm (from scratch, tiny_sft's samples among its wrong answers; 400 steps, 2 layers and no weight
-# decay instead of 8000, 6 and 1.0) and tiny_grpo_rm: on seeds 0-2 the reward model reached 74.8%, 66.2%, 58.4% pairwise accuracy
-# (76.9%, 66.7%, 65.2% against tiny_sft's own mistakes; it learns the last digit between steps 200 and 400) and
-# GRPO against it +21.1, +26.4, +27.3 points.
+# decay instead of 8000, 6 and 1.0) and tiny_grpo_rm: on seeds 0-2 the reward model reached 74.8%, 66.2%, 58.4%
+# pairwise accuracy (76.9%, 66.7%, 65.2% against tiny_sft's own mistakes; it learns the last digit between steps
+# 200 and 400) and GRPO against it +21.1, +26.4, +27.3 points.
 RM_STEPS, RM_ACCURACY, RM_POLICY = 400, 0.55, 0.6
 GRPO_STEPS, GRPO_GAIN = 20, 0.15
 

@@ -34,8 +34,11 @@ def sandbox_processes() -> list[str]:
         try:
             with open(f"/proc/{pid}/status") as f:
                 uid = next(line for line in f if line.startswith("Uid:")).split()[1]
+            if int(uid) != NOBODY:
+                continue
             command = open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
-            if int(uid) == NOBODY and not (" -I -S -c " in command and not command.endswith(ours)):
+            theirs = " -I -S -c " in command and not command.endswith(ours)  # another module's sandboxed program
+            if not theirs:
                 alive.append(command)
         except (OSError, StopIteration):
             continue
