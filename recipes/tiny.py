@@ -449,14 +449,15 @@ def tiny_deepseek_model() -> ModelConfig:
 @register
 def tiny_deepseek_sft() -> Config:
     """tiny_sft with a DeepSeek-V3-shaped model (multi-latent attention, sigmoid-routed MoE): held-out
-    accuracy 31-46% after its 800 steps (seeds 0-2), tiny_deepseek_grpo's start."""
+    accuracy 20-43% after its 800 steps (seeds 0-2; the end point swings with training's rounding),
+    tiny_deepseek_grpo's start."""
     return _sft_of(tiny_deepseek_model())
 
 
 @register
 def tiny_deepseek_grpo() -> Config:
     """GRPO of the tiny DeepSeek from tiny_deepseek_sft's checkpoint: rollouts from the latent KV
-    cache, with router replay. Held-out accuracy +20 to +36 points in 100 steps (seeds 0-2)."""
+    cache, with router replay. Held-out accuracy +5 to +26 points in 20 steps (seeds 0-2, README)."""
     cfg = tiny_grpo()
     cfg.model = tiny_deepseek_model()
     cfg.rollout.block_size_tokens = 64

@@ -54,7 +54,7 @@ def test_torch_profiler_trace_and_time_per_phase(single):
     and Chrome open, holding the run's phases; the run ends with a table of time per phase."""
     (trace,) = (single / "profile").glob("rank0.*.pt.trace.json")
     names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
-    assert {"rollout", "train", "aten::mm"} <= names
+    assert {"rollout", "train"} <= names and names & {"aten::mm", "mkldnn::_linear_pointwise"}  # GEMMs (CPU: oneDNN)
     table = (single / "stdout.txt").read_text().split("time per phase (rank 0):\n")[1].splitlines()
     assert table[0].split() == ["phase", "seconds", "share", "per", "step"]
     assert {"rollout", "logprob", "train", "eval"} <= {line.split()[0] for line in table[1:] if line.strip()}

@@ -69,12 +69,15 @@ def sft(tmp_path_factory):
 
 def test_tiny_deepseek_grpo_learns_with_router_replay(sft, tmp_path):
     """20 GRPO steps with router replay from the SFT run. Calibrated with one thread, train.seed =
-    data.seed = 0, 1, 2: held-out accuracy +31.0 / +20.1 / +16.6 points (from 31 / 45 / 42%),
-    rollout/training logprob mismatch at most 4.8e-7."""
+    data.seed = 0, 1, 2, since training's backward GEMMs run on oneDNN (2026-12-05): held-out accuracy
+    +4.9 / +7.0 / +9.6 points (from 20.1 / 42.8 / 37.1%), rollout/training logprob mismatch at most
+    4.8e-7. The tiny MoE's SFT end point swings with training's rounding: with MKL's backward the same
+    seeds' SFT gave 48.2 / 39.8% and GRPO +26.0 / +25.2 (the same GRPO code from those checkpoints gives
+    the same numbers with either backward; the gradients agree within 2e-7)."""
     run_train(["--recipe", "tiny_deepseek_grpo", *SEED, "train.max_steps=20", "checkpoint.save=false",
                f"checkpoint.load={sft}", f"logging.run_dir={tmp_path}"])
     accuracy = column(tmp_path, "val/accuracy")
-    assert accuracy[-1] - accuracy[0] >= 0.10, accuracy
+    assert accuracy[-1] - accuracy[0] >= 0.03, accuracy
     assert max(column(tmp_path, "rollout/logprob_mismatch_max")) <= 1e-5
     assert min(column(tmp_path, "moe/routing_replay_frac")) == 1.0
 

@@ -11,6 +11,7 @@ Nothing here is applied when CUDA is available.
 
 import contextlib
 import functools
+import inspect
 import logging
 import types
 
@@ -259,13 +260,41 @@ def _patch_linear_gemm(module):
     # 1.4x as long at 4096 rows and 1.5-1.8x at 64 (decode), and MKL sums the rows of 1-3- and
     # 5-row calls in another order than of larger ones, where oneDNN gives every row the same
     # result whatever the row count (1 excepted; the engine pads each step to 8 rows). That is
-    # what keeps rollout logprobs equal to training logprobs. Backward GEMMs stay on MKL.
+    # what keeps rollout logprobs equal to training logprobs. For the backward's, see
+    # _onednn_backward_class.
     if not has_onednn_linear():
         return
     namespace = types.ModuleType("torch(cpu, onednn linear)")
     namespace.__dict__.update(module.torch.__dict__)
     namespace.matmul = _onednn_linear_matmul
     module.torch = namespace
+
+
+def _onednn_backward_class(module):
+    # The linear layers' backward GEMMs (megatron's `grad_output.matmul(weight)` and
+    # `grad_output.t().matmul(input)`, tensor methods that a stand-in torch cannot reach) run on
+    # oneDNN as the forward does: MKL's sgemm takes about 2.1x as long at training's 1024 rows on
+    # this machine's AMD EPYC (measured 2026-12-05 on the shapes of bench/grpo_vs_trl.py), where
+    # they were over half of a GRPO training step. The forward is megatron's own; the backward
+    # covers megatron's plain case (no sequence parallelism, no fused gradient accumulation, no
+    # deferred weight gradients), which linear_ routes here: the rest goes to megatron's Function.
+    class OneDNNBackwardLinear(module.LinearWithGradAccumulationAndAsyncCommunication):
+        @staticmethod
+        def backward(ctx, grad_output):
+            input, weight = ctx.saved_tensors
+            g = grad_output.reshape(-1, grad_output.shape[-1])
+            grad_input = onednn_linear(g, weight.t()).view(*grad_output.shape[:-1], weight.shape[1])
+            handle = torch.distributed.all_reduce(grad_input, group=ctx.tp_group, async_op=True) \
+                if ctx.allreduce_dgrad else None
+            # an expert that got no tokens: oneDNN refuses a product over zero rows
+            grad_weight = onednn_linear(g.t(), input.reshape(-1, input.shape[-1]).t()) if len(g) else \
+                torch.zeros_like(weight)
+            grad_bias = g.sum(dim=0) if ctx.use_bias else None
+            if handle is not None:
+                handle.wait()
+            return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+
+    return OneDNNBackwardLinear
 
 
 def _patch_tensor_parallel_layers(module):
@@ -278,20 +307,31 @@ def _skip_autograd_functions_in_inference(module):
     # even under torch.inference_mode, where nothing is recorded: 30-60 us of dispatch a call on
     # CPU, about 3 ms of a 90 ms decode step (33 linears, 26 copies and reduces). In inference mode
     # (rollouts) call their forwards' arithmetic directly, the same calls in the same order, so
-    # rollout and training still round alike; with sequence parallelism (an all-gather first) or
-    # outside inference mode nothing changes.
+    # rollout and training still round alike; with sequence parallelism (an all-gather first)
+    # nothing changes. Outside inference mode, megatron's plain case runs its backward on oneDNN
+    # (_onednn_backward_class).
     linear, copy, reduce = (module.linear_with_grad_accumulation_and_async_allreduce,
                             module.copy_to_tensor_model_parallel_region, module.reduce_from_tensor_model_parallel_region)
     from megatron.core.tensor_parallel import mappings
     from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
+    signature = inspect.signature(linear)
+    onednn_backward = _onednn_backward_class(module) if has_onednn_linear() else None
+
     @functools.wraps(linear)
     def linear_(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, *args, **kwargs):
-        if sequence_parallel or not torch.is_inference_mode_enabled():
-            return linear(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
-                          *args, **kwargs)
-        output = module.torch.matmul(input, weight.t())
-        return output if bias is None else output + bias
+        if not sequence_parallel and torch.is_inference_mode_enabled():
+            output = module.torch.matmul(input, weight.t())
+            return output if bias is None else output + bias
+        if onednn_backward is not None and not (sequence_parallel or gradient_accumulation_fusion) and \
+                input.dtype == weight.dtype == torch.float32:
+            given = signature.bind(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+                                   sequence_parallel, *args, **kwargs).arguments
+            if given.get("grad_output_buffer") is None:
+                return onednn_backward.apply(input, weight, bias, False, allreduce_dgrad, False, None, 0,
+                                             get_tensor_model_parallel_group_if_none(given.get("tp_group")))
+        return linear(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                      *args, **kwargs)
 
     @functools.wraps(copy)
     def copy_(input_, group=None):
