@@ -11,12 +11,12 @@ pytestmark = pytest.mark.xdist_group("tiny_sft")  # one worker trains the shared
 
 QUIET = ["logging.progress=false", "logging.tensorboard=false"]
 # Shortened tiny_rm (from scratch, tiny_sft's samples among its wrong answers; 400 steps, 2 layers and no weight
-# decay instead of 8000, 6 and 1.0) and tiny_grpo_rm. Since training's backward GEMMs run on oneDNN
-# (2026-12-05), on the default seeds (the suite's) and train.seed = data.seed = 1, 2, each from its own tiny_sft
-# (60.2%, 78.7%, 67.8%): the reward model reached 80.1%, 66.2%, 61.7% pairwise accuracy (84.0%, 70.5%, 63.4%
-# against tiny_sft's own mistakes; it learns the last digit between steps 200 and 400) and GRPO against it +15.2, +16.8, +14.2 points at step 20
-# (+14.3 in a suite run; +15.2, +16.0, +13.8 at step 30: the short reward model caps the gain, made by step 10;
-# against the full-length tiny_rm, tiny_grpo_rm gains +18.1 on the default seeds, README).
+# decay instead of 8000, 6 and 1.0) and tiny_grpo_rm. Since training's backward GEMMs run on oneDNN (2026-12-05), on
+# the default seeds (the suite's) and train.seed = data.seed = 1, 2, each from its own tiny_sft (60.2%, 78.7%,
+# 67.8%): the reward model reached 80.1%, 66.2%, 61.7% pairwise accuracy (84.0%, 70.5%, 63.4% against tiny_sft's own
+# mistakes; it learns the last digit between steps 200 and 400) and GRPO against it +15.2, +16.8, +14.2 points at
+# step 20 (+14.3 in a suite run; +15.2, +16.0, +13.8 at step 30: the short reward model caps the gain, made by step
+# 10; against the full-length tiny_rm, tiny_grpo_rm gains +18.1 on the default seeds, README).
 # Before (MKL's backward, seeds 0-2): 74.8%, 66.2%, 58.4% and +21.1, +26.4, +27.3 points from lower starts.
 RM_STEPS, RM_ACCURACY, RM_POLICY = 400, 0.55, 0.6
 GRPO_STEPS, GRPO_GAIN = 20, 0.10
