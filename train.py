@@ -68,6 +68,7 @@ def main(argv=None) -> int:
         return 0
 
     fresh_dir = not run_dir.exists()
+    platform.keep_freed_memory()
     if cfg.train.threads:  # a run's numbers depend on the thread count on the CPU: recipes pin it
         import torch
 

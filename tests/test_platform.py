@@ -229,8 +229,6 @@ if __name__ == "__main__":
 
 # name -> (precision, optimizer, the patched method)
 OPTIMIZER_PATCHES = {
-    "fix: distributed optimizer state exists before loading":
-        ("fp32", "distributed", "DistributedOptimizer.sharded_state_dict"),
     "fix: fully_reshardable load keeps torch Adam's step":
         ("fp32", "distributed", "DistributedOptimizer._set_main_param_and_optimizer_states"),
     "fix: each parameter owns its Adam step after loading":
@@ -496,3 +494,72 @@ def test_linear_backward_runs_on_onednn(one_process, monkeypatch):
     column.weight.grad = None
     column(torch.zeros(0, 1, 64, requires_grad=True))[0].sum().backward()  # an expert that got no tokens
     assert torch.equal(column.weight.grad, torch.zeros_like(column.weight))
+
+
+FREED_MEMORY = """
+import resource, sys, torch
+from megatron_rl import platform
+if sys.argv[1] == "keep":
+    platform.keep_freed_memory()
+torch.empty(16 << 20).fill_(1.0)  # 64 MB, freed at once
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+torch.empty(12 << 20).fill_(1.0)  # 48 MB
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or torch.cuda.is_available(), reason="glibc, CPU runs")
+def test_freed_memory_stays_with_the_process(tmp_path):
+    """Without keep_freed_memory glibc maps each large block afresh and the kernel faults its pages in
+    again (12k for 48 MB); with it a 48 MB block reuses the pages of a freed 64 MB one."""
+    faults = {}
+    for mode in ("keep", "plain"):
+        out = _run_script(FREED_MEMORY, tmp_path, mode)
+        assert out.returncode == 0, out.stderr[-2000:]
+        faults[mode] = int(out.stdout.split()[-1])
+    assert faults["plain"] > 10_000 and faults["keep"] < 1_000, faults
+
+
+ADAM_STATE = """
+import torch
+from megatron_rl import platform
+from megatron_rl.config import Config
+import megatron_rl.training.setup as setup
+from megatron_rl.training.step import optimizer_step, zero_grads
+
+def inner(trainee):
+    return [c.optimizer for c in trainee.optimizer.chained_optimizers]
+
+def run(lazy):
+    platform.init_model_parallel(seed=7)
+    cfg = Config()
+    cfg.model.vocab_size = 16
+    plain = setup.allocate_adam_state
+    if lazy:
+        setup.allocate_adam_state = lambda optimizer: None
+    trainee = setup.build_trainee(cfg)
+    setup.allocate_adam_state = plain
+    made = all(len(o.state[p]) == 3 for o in inner(trainee) for g in o.param_groups for p in g["params"])
+    for k in range(2):
+        zero_grads(trainee)
+        for i, p in enumerate(trainee.model[0].parameters()):
+            p.main_grad.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * i + k)))
+        optimizer_step(trainee)
+    return made, [p.detach().clone() for p in trainee.model[0].parameters()], inner(trainee)[0].state
+
+platform.init_distributed()
+made, early, state = run(lazy=False)
+assert made, "Adam's state is not made when the optimizer is built"
+made, lazy, lazy_state = run(lazy=True)
+assert not made
+assert all(torch.equal(a, b) for a, b in zip(early, lazy)), "the state made at setup changed the steps"
+assert [sorted(s) for s in state.values()] == [sorted(s) for s in lazy_state.values()]
+print("ok")
+"""
+
+
+def test_adam_state_is_made_at_setup_and_steps_as_torchs_own(tmp_path):
+    """allocate_adam_state makes what torch's Adam makes at its first step: two steps then give the
+    same parameters, bit for bit, as with torch's lazy state."""
+    out = _run_script(ADAM_STATE, tmp_path)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]

@@ -17,20 +17,6 @@ def _needs_torch_adam_fixes(module) -> bool:
     return not module.HAVE_APEX_OR_TE
 
 
-def _state_before_load(sharded_state_dict):
-    """Loading asks the optimizer for its state dict first, and state_dict() reads torch Adam's
-    per-parameter 'step', which exists only after a first step (`assert len(steps) == 1`). Fill
-    the state with megatron's own dummy values; the loaded ones replace them in place."""
-
-    @functools.wraps(sharded_state_dict)
-    def wrapper(self, model_sharded_state_dict=None, is_loading=False, *args, **kwargs):
-        if is_loading and not self.optimizer.state and not self.ddp_config.use_megatron_fsdp:
-            self._init_optimizer_states_with_dummy_values()
-        return sharded_state_dict(self, model_sharded_state_dict or {}, is_loading, *args, **kwargs)
-
-    return wrapper
-
-
 def _keep_step(set_states):
     """The 'fully_reshardable' loader restores torch Adam's 'step' from the param groups and
     leaves it out of the tensors it hands over, but the setter copies every key of the
@@ -68,7 +54,6 @@ def _fix_distrib_optimizer(module):
     if not _needs_torch_adam_fixes(module):
         return
     cls = module.DistributedOptimizer
-    cls.sharded_state_dict = _state_before_load(cls.sharded_state_dict)
     cls._set_main_param_and_optimizer_states = _keep_step(cls._set_main_param_and_optimizer_states)
     cls.load_state_dict = _own_step_per_param(cls.load_state_dict)
 

@@ -112,7 +112,35 @@ def build_optimizer(cfg: Config, model: list):
         lr_decay_style=s.decay, start_wd=o.weight_decay, end_wd=o.weight_decay,
         wd_incr_steps=decay_steps, wd_incr_style="constant",
     )
+    allocate_adam_state(optimizer)
     return optimizer, scheduler
+
+
+def allocate_adam_state(optimizer) -> None:
+    """torch Adam's state (a zero step count and zero moments, as its first step makes them) made when
+    the optimizer is built: a run that cannot hold it fails at start; it is laid out in memory before
+    any activation (made at the end of the first step, it takes memory the first step's activations
+    had used, and the second step's activations then come from fresh pages: on CPU tens of thousands
+    of page faults); and megatron's distributed optimizer can load a checkpoint into it (its loading
+    reads the state's 'step' first). torch.optim's Adam and AdamW only, megatron's optimizer without
+    Transformer Engine or apex; other optimizers keep their lazy state."""
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(chained, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state[p]
+                if state:
+                    continue
+                on_device = group["capturable"] or group["fused"]
+                state["step"] = torch.zeros((), dtype=_get_scalar_dtype(is_fused=group["fused"]), device=p.device) \
+                    if on_device else torch.tensor(0.0, dtype=_get_scalar_dtype())
+                moments = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+                for name in moments:
+                    state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def _optimizer_memory_kwargs(o) -> dict:
