@@ -263,9 +263,8 @@ def keep_freed_memory() -> None:
 
     if has_cuda() or not sys.platform.startswith("linux"):
         return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # musl and others
+    libc = ctypes.CDLL(None)  # the C library the process runs on, as tie_process_lifetimes loads it
+    if not hasattr(libc, "mallopt"):  # musl and others
         return
     libc.mallopt(-1, -1)  # M_TRIM_THRESHOLD: never (size_t -1)
     libc.mallopt(-4, 0)  # M_MMAP_MAX: no block of its own for large allocations
