@@ -1,5 +1,6 @@
 """Each CPU patch in megatron_rl/platform/cpu.py: the megatron call fails without it and works with it."""
 
+import contextlib
 import os
 import re
 import shutil
@@ -494,6 +495,43 @@ def test_linear_backward_runs_on_onednn(one_process, monkeypatch):
     column.weight.grad = None
     column(torch.zeros(0, 1, 64, requires_grad=True))[0].sum().backward()  # an expert that got no tokens
     assert torch.equal(column.weight.grad, torch.zeros_like(column.weight))
+
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or not platform.cpu.has_onednn_linear(),
+                    reason="the oneDNN GEMM patch applies only on CPU with oneDNN")
+def test_packed_weights_give_the_plain_products(one_process):
+    """Within packed_weights() (a rollout; a step's forward and backward) the linear layers' forward
+    and input-gradient GEMMs take each weight in oneDNN's blocked layout, reordered once (one per
+    parameter and orientation) and dropped on exit; outputs and gradients equal the plain weight's to
+    the bit, in training and in inference mode. A single row keeps the plain weight: with 3 outputs
+    oneDNN rounds it otherwise from the blocked layout."""
+    from megatron.core.tensor_parallel import layers
+    from megatron.core.transformer import TransformerConfig
+
+    cpu = platform.cpu
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
+    torch.manual_seed(0)
+    for features in (3, 96, 1000):
+        column = layers.ColumnParallelLinear(64, features, config=config, init_method=torch.nn.init.normal_,
+                                             bias=False, gather_output=False)
+        for rows in (1, 2, 3, 5, 8, 64, 300):
+            x = torch.randn(rows, 1, 64)
+            seen = {}
+            for packed in (False, True):
+                with cpu.packed_weights() if packed else contextlib.nullcontext():
+                    xg = x.clone().requires_grad_()
+                    out = column(xg)[0]
+                    (out * torch.linspace(-1, 1, features)).sum().backward()
+                    with torch.inference_mode():
+                        inference = column(x)[0]
+                    if packed:
+                        assert len(cpu._packs) == (2 if rows > 1 else 0), (features, rows, list(cpu._packs))
+                seen[packed] = (out.detach(), xg.grad, column.weight.grad.clone(), inference)
+                column.weight.grad = None
+            assert cpu._packs is None
+            for plain, blocked in zip(seen[False], seen[True]):
+                assert torch.equal(plain, blocked), (features, rows)
 
 
 FREED_MEMORY = """

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_rl.config import RolloutConfig
-from megatron_rl.platform import watchdog
+from megatron_rl.platform import cpu, watchdog
 
 
 @dataclass
@@ -260,7 +260,7 @@ class RolloutEngine:
             done = {}
             if tape is not None:
                 tape.start_recording(self.context, {k: routes[k // n] for k in order} if routes else None)
-            with torch.inference_mode():
+            with torch.inference_mode(), cpu.packed_weights():  # no weight changes during a rollout
                 while self.engine.has_unfinished_requests():
                     watchdog.beat("rollout")
                     for record in self.engine.step_modern()["finished_request_records"]:

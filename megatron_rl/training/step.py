@@ -15,7 +15,7 @@ from functools import partial
 
 import torch
 
-from megatron_rl.platform import device, watchdog
+from megatron_rl.platform import cpu, device, watchdog
 
 
 def cp_share(batch: dict) -> dict:
@@ -173,15 +173,16 @@ def forward_backward(trainee, micro: list[dict], loss_fn, forward_only: bool = F
     packed = "pack_cu" in micro[0]  # one row of all the samples' tokens (the same length on every stage)
     n_chunks = len(trainee.model)
     data = [iter(micro) for _ in range(n_chunks)] if n_chunks > 1 else iter(micro)
-    return get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, loss_fn),
-        data_iterator=data,
-        model=trainee.model,
-        num_microbatches=len(micro),
-        seq_length=int(micro[0]["pack_cu"][-1]) if packed else micro[0]["tokens"].shape[1],
-        micro_batch_size=1 if packed else micro[0]["tokens"].shape[0],
-        forward_only=forward_only,
-    )
+    with cpu.packed_weights():  # no weight changes until the optimizer step
+        return get_forward_backward_func()(
+            forward_step_func=partial(_forward_step, loss_fn),
+            data_iterator=data,
+            model=trainee.model,
+            num_microbatches=len(micro),
+            seq_length=int(micro[0]["pack_cu"][-1]) if packed else micro[0]["tokens"].shape[1],
+            micro_batch_size=1 if packed else micro[0]["tokens"].shape[0],
+            forward_only=forward_only,
+        )
 
 
 def forward_only(model_chunks: list, micro: list[dict], collect) -> None:
