@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 
@@ -108,7 +109,11 @@ def main(argv=None) -> int:
             if not isinstance(e, STOPS + USER_ERRORS):  # a crash
                 if watchdog.peer_failed():  # it follows another rank's failure, which that rank printed
                     os._exit(1)
-                watchdog.abort(f"failed {launch.rank}: {type(e).__name__}")  # the others stop; this rank prints
+                if watchdog.running():  # print first: this rank's watchdog, too, ends it once it hears the abort
+                    traceback.print_exc()
+                    sys.stderr.flush()
+                    watchdog.abort(f"failed {launch.rank}: {type(e).__name__}")  # the others stop
+                    raise SystemExit(1) from None
             raise
     except STOPS as e:
         if launch.rank == 0:

@@ -367,13 +367,15 @@ def test_writer_out_of_space_leaves_the_last_checkpoint(one_process, tmp_path, m
     assert checkpointing.latest_checkpoint(tmp_path) == first and checkpointing.damage(first) is None
 
 
-@pytest.mark.parametrize("fault", ["raise", "kill", "sleep"])
+@pytest.mark.parametrize("fault", ["raise", "slow_raise", "kill", "sleep"])
 def test_a_failed_dead_or_frozen_rank_stops_every_rank(fault, tmp_path):
     """Two ranks under torchrun; at step 3 rank 1 raises, is SIGKILLed, or sleeps forever (as in a
     deadlock; before that, at step 2, it waits 15 s in a patient phase, longer than
     train.hang_timeout_s, as a long save would: the run goes on). Every process of the job ends
     within 60 s of the fault (a frozen rank: of train.hang_timeout_s passing), the error is printed
-    once, by the rank that had it, and a frozen rank is named and its stacks printed."""
+    once, by the rank that had it, and a frozen rank is named and its stacks printed. The error is
+    printed even when rendering it takes longer than the watchdog's interval (slow_raise): the rank
+    prints before it tells the others to stop, which its own watchdog hears too."""
     import os
     import signal
     import time
@@ -385,7 +387,7 @@ def test_a_failed_dead_or_frozen_rank_stops_every_rank(fault, tmp_path):
         _wait_for_steps(tmp_path, 2, proc)
         os.kill(_rank_pid(tmp_path, 1), signal.SIGKILL)
     else:
-        faults = "patient@2,sleep@3" if fault == "sleep" else "raise@3"
+        faults = "patient@2,sleep@3" if fault == "sleep" else f"{fault}@3"
         proc = _start(["1", faults, *run], nproc=2, script="tests/scripts/faulty_train.py")
         _wait_for_steps(tmp_path, 2, proc, or_end=True)
     t0 = time.time()
@@ -394,8 +396,9 @@ def test_a_failed_dead_or_frozen_rank_stops_every_rank(fault, tmp_path):
     assert proc.returncode != 0 and took < 60, (proc.returncode, took, err[-3000:])
     assert not _processes_of(tmp_path)
     assert len(metrics(tmp_path)) < 4
-    if fault == "raise":
-        assert err.count("RuntimeError: injected failure on rank 1 at step 3") == 1, err[-3000:]
+    if fault in ("raise", "slow_raise"):
+        error = "RuntimeError" if fault == "raise" else "SlowToPrint"
+        assert err.count(f"{error}: injected failure on rank 1 at step 3") == 1, err[-3000:]
         assert "[rank0]:" not in err  # rank 0's own error (its peer vanished) follows from it: not printed
     if fault == "sleep":
         assert "error: no rank made progress for " in err and "rank 1 stopped first, in phase 'forward'" in err

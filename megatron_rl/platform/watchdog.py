@@ -62,6 +62,10 @@ def stop():
     _state["stopping"] = True
 
 
+def running() -> bool:
+    return _store is not None
+
+
 def abort(reason: str):
     """Tell every rank to stop (this rank failed with `reason`, already printed)."""
     if _store is not None:

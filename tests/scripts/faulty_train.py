@@ -2,8 +2,9 @@
 
     torchrun --nproc_per_node 2 tests/scripts/faulty_train.py RANK FAULT@STEP[,FAULT@STEP...] [train.py arguments]
 
-FAULT: raise (a RuntimeError), sleep (forever, as a rank stuck in a deadlock would), or patient (15 s
-inside watchdog.patient, as a long checkpoint save: a legitimate wait).
+FAULT: raise (a RuntimeError), slow_raise (an error whose message takes 5 s to render, longer than the
+watchdog's interval), sleep (forever, as a rank stuck in a deadlock would), or patient (15 s inside
+watchdog.patient, as a long checkpoint save: a legitimate wait).
 """
 
 import os
@@ -22,11 +23,17 @@ faults = {int(step): fault for fault, step in (f.split("@") for f in sys.argv[2]
 optimizer_step, steps = loop.optimizer_step, [0]
 
 
+class SlowToPrint(RuntimeError):
+    def __str__(self):
+        time.sleep(5)
+        return super().__str__()
+
+
 def faulty(trainee):
     steps[0] += 1
     fault = faults.get(steps[0]) if int(os.environ.get("RANK", "0")) == rank else None
-    if fault == "raise":
-        raise RuntimeError(f"injected failure on rank {rank} at step {steps[0]}")
+    if fault in ("raise", "slow_raise"):
+        raise (RuntimeError if fault == "raise" else SlowToPrint)(f"injected failure on rank {rank} at step {steps[0]}")
     if fault == "sleep":
         while True:
             time.sleep(1)
