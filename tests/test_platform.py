@@ -497,7 +497,6 @@ def test_linear_backward_runs_on_onednn(one_process, monkeypatch):
     assert torch.equal(column.weight.grad, torch.zeros_like(column.weight))
 
 
-
 @pytest.mark.skipif(torch.cuda.is_available() or not platform.cpu.has_onednn_linear(),
                     reason="the oneDNN GEMM patch applies only on CPU with oneDNN")
 def test_packed_weights_give_the_plain_products(one_process):

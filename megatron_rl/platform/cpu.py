@@ -247,7 +247,7 @@ def onednn_linear(x, weight):
     layout while packed_weights() is active, for products of 2 rows or more: those give the plain
     weight's results to the bit, where a single row (an MoE expert given one token) may not."""
     if _packs is not None and x.numel() >= 2 * x.shape[-1] > 0:
-        weight = _oned_layout(weight)
+        weight = _blocked_layout(weight)
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
@@ -273,7 +273,7 @@ def packed_weights():
         _packs = None
 
 
-def _oned_layout(weight):
+def _blocked_layout(weight):
     """weight, if it is a parameter or a parameter's transpose, in oneDNN's layout (reordered once per
     packed_weights()); anything else as it is."""
     param = weight if isinstance(weight, torch.nn.Parameter) else weight._base

@@ -63,6 +63,7 @@ def stop():
 
 
 def running() -> bool:
+    """Whether this rank runs a watchdog (more than one rank, train.hang_timeout_s > 0)."""
     return _store is not None
 
 
