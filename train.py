@@ -85,7 +85,9 @@ def main(argv=None) -> int:
             if line:
                 print(line, flush=True)
     platform.init_model_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp if p.vpp > 1 else None, cp=p.cp, ep=p.ep,
-                                 etp=p.etp or None, seed=cfg.train.seed)
+                                 etp=p.etp or None, seed=cfg.train.seed, cuda_graphs=cfg.rollout.cuda_graphs)
+    if cfg.rollout.batch_invariant:  # rollouts and training alike, for the whole run
+        platform.use_batch_invariant_kernels()
     if launch.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)  # config.json comes once everything loaded (write_run_assets)
     import torch.distributed as dist

@@ -278,6 +278,7 @@ def main():
                    help="both sides' training precision (bf16: mixed, fp32 master weights; for a GPU)")
     p.add_argument("--trl-python", help="a Python that imports trl (default: bench/.trl-venv, made on first use)")
     p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--ours-only", action="store_true", help="run our side only (no TRL: its time, MFU, no ratio)")
     p.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -293,7 +294,7 @@ def main():
 
     import torch
 
-    trl_python = args.trl_python or str(ensure_trl_venv())
+    trl_python = "" if args.ours_only else args.trl_python or str(ensure_trl_venv())
     with tempfile.TemporaryDirectory() as work:
         args.work = work
         workload = make_workload(Path(work), args.prompts, args.n, args.steps)
@@ -306,7 +307,7 @@ def main():
               f"{args.threads} threads; GEMM rate {tflops:.3f} TFLOP/s", flush=True)
         runs = {"ours": [], "trl": []}
         for r in range(args.repeats):
-            for side in (("trl", "ours") if r % 2 == 0 else ("ours", "trl")):
+            for side in ("ours",) if args.ours_only else ("trl", "ours") if r % 2 == 0 else ("ours", "trl"):
                 run = child(side, args, trl_python if side == "trl" else sys.executable)
                 runs[side].append(run)
                 s = summary(run, workload["non_embedding_params"], tflops)
@@ -317,6 +318,10 @@ def main():
 
 def report(args, workload: dict, tflops: float, runs: dict):
     n_emb = workload["non_embedding_params"]
+    if not runs["trl"]:  # --ours-only
+        ours = [summary(r, n_emb, tflops) for r in runs["ours"]]
+        print(json.dumps({k: statistics.median(s[k] for s in ours) for k in ours[0]}))
+        return
     sums = {side: [summary(r, n_emb, tflops) for r in rs] for side, rs in runs.items()}
     ratios = [t["step_s"] / o["step_s"] for t, o in zip(sums["trl"], sums["ours"])]
     med = {side: {k: statistics.median(s[k] for s in ss) for k in ss[0]} for side, ss in sums.items()}

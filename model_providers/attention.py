@@ -7,6 +7,8 @@ new queries), sliding windows, megatron's explicit masks, packed sequences (THD)
 parallelism (both of which megatron leaves to Transformer Engine's attention).
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
@@ -93,6 +95,48 @@ def fixed_keys(device) -> int:
     return training_keys if device.type == "cpu" and training_keys > ONE_PASS_KEYS else 0
 
 
+@dataclass
+class PackedPlan:
+    """How CoreAttention runs a packed row: the scaled_dot_product_attention calls as (n, idx), idx the
+    rows of the packed tensors that make `samples` sequences of n tokens (row t: a zero row appended
+    when `padded`), and `rows`: where each token's output lies in the calls' outputs, concatenated."""
+
+    groups: list
+    rows: torch.Tensor
+    padded: bool
+
+
+def packed_plan(cu_seqlens: torch.Tensor, device: torch.device, one_call: bool | None = None) -> PackedPlan:
+    """The plan for samples starting at cu_seqlens (a host tensor; the plan's tensors go to `device`),
+    worked out on the host before the forward (training/step.py).
+
+    On CUDA (one_call): every sample padded to the longest with zeros after its last token, which no
+    query attends to causally, in one call per layer. On the CPU: samples of one padded length per
+    call, each padded to a multiple of PACKED_MULTIPLE, or to training_keys (see ONE_PASS_KEYS):
+    torch's flash kernel then computes every token as the unpacked forward and the rollout's decode
+    do, bit for bit."""
+    one_call = device.type == "cuda" if one_call is None else one_call
+    cu = cu_seqlens.long()
+    t, starts, lengths = int(cu[-1]), cu[:-1], cu.diff()
+    multiple = PACKED_MULTIPLE if device.type == "cpu" and not one_call else 1
+    padded = -(-lengths // multiple) * multiple
+    fixed = fixed_keys(device)
+    if fixed:  # long sequences: every sample over that many keys
+        padded = torch.where(lengths <= fixed, fixed, padded)
+    if one_call:
+        padded = torch.full_like(lengths, int(padded.max()))
+    groups, rows, done = [], torch.empty(t, dtype=torch.long), 0
+    for n in padded.unique().tolist():
+        chosen = padded == n
+        offsets = torch.arange(n)
+        real = (offsets < lengths[chosen][:, None]).flatten()  # (samples * n)
+        idx = torch.where(real, (starts[chosen][:, None] + offsets).flatten(), t)
+        groups.append((n, idx.to(device)))
+        rows[idx[real]] = done + real.nonzero().squeeze(1)
+        done += len(idx)
+    return PackedPlan(groups, rows.to(device), bool((padded != lengths).any()))
+
+
 class CoreAttention(MegatronModule):
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
@@ -139,31 +183,20 @@ class CoreAttention(MegatronModule):
 
     def _packed(self, query, key, value, params):
         """Causal attention within each sample of a packed row (THD: query (t, heads, dk), key and value
-        (t, groups, d), samples starting at cu_seqlens) -> (t, heads * dv). Samples of one padded length
-        go through one scaled_dot_product_attention call. On CPU each is padded to a multiple of
-        PACKED_MULTIPLE there, or to training_keys (see ONE_PASS_KEYS), with zeros after its last token,
-        which no query attends to: torch's flash kernel then computes it as the unpacked forward and
-        the rollout's decode do, bit for bit."""
+        (t, groups, d), samples starting at cu_seqlens) -> (t, heads * dv): one
+        scaled_dot_product_attention call per group of the plan's (packed_plan), from indices made on
+        the host, so that nothing here reads the device."""
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         if self.cp > 1:
             return self._packed_context_parallel(query, key, value, cu)
-        t, heads, groups = query.shape[0], query.shape[1], key.shape[1]
-        starts, lengths = cu[:-1].long(), cu.diff().long()
-        multiple = PACKED_MULTIPLE if query.device.type == "cpu" else 1
-        padded = -(-lengths // multiple) * multiple
-        fixed = fixed_keys(query.device)
-        if fixed:  # long sequences: every sample over that many keys
-            padded = torch.where(lengths <= fixed, fixed, padded)
-        if multiple > 1:  # row t: zeros, where padding slots read from
+        plan = getattr(params, "attention_plan", None)
+        if plan is None:  # a caller without the training step's plan (reads cu_seqlens from the device)
+            plan = packed_plan(cu.cpu(), query.device)
+        heads, groups = query.shape[1], key.shape[1]
+        if plan.padded:  # row t: zeros, where padding slots read from
             query, key, value = (torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in (query, key, value))
-        # Rows are gathered and put back with index_select, whose backward (index_add) is about 10x
-        # faster on CPU than advanced indexing's (index_put with accumulation).
-        outs, rows, done = [], torch.empty(t, dtype=torch.long, device=query.device), 0
-        for n in padded.unique().tolist():
-            chosen = padded == n
-            offsets = torch.arange(n, device=query.device)
-            real = (offsets < lengths[chosen][:, None]).flatten()  # (samples * n)
-            idx = torch.where(real, (starts[chosen][:, None] + offsets).flatten(), t)
+        outs = []
+        for n, idx in plan.groups:
             q, k, v = (x.index_select(0, idx).view(-1, n, *x.shape[1:]).transpose(1, 2)
                        for x in (query, key, value))  # (samples, heads or groups, n, d)
             mask = causal_mask(n, n, self.window, device=q.device) if self.window else None
@@ -171,10 +204,10 @@ class CoreAttention(MegatronModule):
                                                dropout_p=self.dropout if self.training else 0.0,
                                                enable_gqa=groups != heads)
             outs.append(o.transpose(1, 2).reshape(-1, heads, o.shape[-1]))  # (samples * n, heads, dv)
-            rows[idx[real]] = done + real.nonzero().squeeze(1)  # where each token's output is
-            done += len(idx)
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
-        return out.index_select(0, rows).reshape(t, -1)
+        # Rows are gathered and put back with index_select, whose backward (index_add) is about 10x
+        # faster on CPU than advanced indexing's (index_put with accumulation).
+        return out.index_select(0, plan.rows).reshape(plan.rows.shape[0], -1)
 
     def _packed_context_parallel(self, query, key, value, cu):
         """A packed row split over the context-parallel group (load_balanced_packed_positions): this

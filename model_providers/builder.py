@@ -105,6 +105,9 @@ class Provider:
     fp8: object = None
     """The FP8Config (format 'off' or None: bf16); ignored without Transformer Engine (the planner)."""
     recompute: str = "none"
+    cuda_graphs: bool = False
+    """megatron's local CUDA graphs for the rollout's decode steps (rollout.cuda_graphs on CUDA; training
+    stays eager: platform/fixes.py)."""
 
     def transformer_config(self):
         from megatron.core.transformer import MLATransformerConfig, TransformerConfig
@@ -152,6 +155,7 @@ class Provider:
             apply_rope_fusion=False,
             persist_layer_norm=False,
             calculate_per_token_loss=True,  # losses are normalized by global token counts
+            cuda_graph_impl="local" if self.cuda_graphs else "none",
             cuda_graph_scope=[],  # the whole layer; megatron's default "full" means the same and warns it is deprecated
             num_layers_in_first_pipeline_stage=p.first_stage_layers or None,
             num_layers_in_last_pipeline_stage=p.last_stage_layers or None,

@@ -11,6 +11,27 @@ os.environ["OMP_NUM_THREADS"] = threads()
 torch.set_num_threads(int(threads()))
 
 
+# The same suite on a GPU (make test there): a test marked cpu_only("why") is skipped where CUDA runs;
+# one marked fp32("why") asserts bounds that hold in fp32, so its recipes run in fp32 there too
+# (train.precision=auto is bf16 on a GPU: helpers.fp32_on_cuda). On the CPU both change nothing.
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        return
+    for item in items:
+        marker = item.get_closest_marker("cpu_only")
+        if marker is not None:
+            item.add_marker(pytest.mark.skip(reason=f"CPU only: {marker.args[0]}"))
+
+
+@pytest.fixture(autouse=True)
+def fp32_bounds(request):
+    from tests import helpers
+
+    helpers.FP32_BOUNDS = request.node.get_closest_marker("fp32") is not None
+    yield
+    helpers.FP32_BOUNDS = False
+
+
 @pytest.fixture(scope="module")
 def one_process():
     """A single-process gloo group and megatron's parallel state, for in-process tests."""

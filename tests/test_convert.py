@@ -12,6 +12,8 @@ from megatron_rl.config import Config, ConfigError
 from tests.helpers import ROOT, launch_env, run_train, torchrun
 from tests.hf_models import FAMILIES, VOCAB, hf_logits, save_tiny_model
 
+pytestmark = pytest.mark.fp32("rollout/training, layout and resume equalities at fp32 precision")
+
 TOKENS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
 LOGIT_TOL = 1e-4  # fp32, max abs difference
 

@@ -9,7 +9,8 @@ import torch
 from megatron_rl import losses
 from tests.helpers import ROOT, column, metrics, processes, run_recipes, run_train, torchrun
 
-pytestmark = pytest.mark.xdist_group("tiny_sft")  # the shared tiny_sft run is the student
+pytestmark = [pytest.mark.xdist_group("tiny_sft"),  # the shared tiny_sft run is the student
+              pytest.mark.fp32("rollout/training, layout and resume equalities at fp32 precision")]
 
 QUICK = ["train.eval_every=0", "logging.progress=false", "logging.tensorboard=false", "checkpoint.save=false",
          "data.num_val=64", "data.num_train=2000"]

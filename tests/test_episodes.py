@@ -9,6 +9,8 @@ from megatron_rl.checkpointing import checkpoint_dir
 from megatron_rl.environments import Environment, EnvRunner, Turn, last_of
 from tests.helpers import metrics, random_char_engine, run_recipes, run_train
 
+pytestmark = pytest.mark.fp32("rollout/training, layout and resume equalities at fp32 precision")
+
 
 class Relay(Environment):
     """Answers every turn that ends on a stop string (an odd digit) with '+1=' until the fifth turn; one

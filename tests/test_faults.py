@@ -10,6 +10,8 @@ import torch
 from megatron_rl.checkpointing import checkpoint_dir
 from tests.helpers import column, metrics, run_train
 
+pytestmark = pytest.mark.fp32("rollout/training, layout and resume equalities at fp32 precision")
+
 FAST = ["data.num_train=2000", "data.micro_batch_size=32", "data.num_val=128", "train.eval_every=0",
         "scheduler.decay_steps=100", "logging.progress=false", "logging.tensorboard=false"]
 

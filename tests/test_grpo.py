@@ -12,7 +12,8 @@ import torch
 from megatron_rl.checkpointing import checkpoint_dir
 from tests.helpers import ROOT, column, launch_env, metrics, processes, random_char_engine, run_train, torchrun
 
-pytestmark = pytest.mark.xdist_group("tiny_sft")  # one worker trains the shared tiny_sft run
+pytestmark = [pytest.mark.xdist_group("tiny_sft"),  # one worker trains the shared tiny_sft run
+              pytest.mark.fp32("rollout/training, layout and resume equalities at fp32 precision")]
 
 QUICK = ["train.eval_every=0", "logging.progress=false", "logging.tensorboard=false", "checkpoint.save=false",
          "data.num_val=64", "data.num_train=2000"]

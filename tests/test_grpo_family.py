@@ -8,7 +8,8 @@ from megatron_rl.config import ConfigError, apply_overrides
 from recipes import get_recipe
 from tests.helpers import column, metrics, run_train
 
-pytestmark = pytest.mark.xdist_group("tiny_sft")  # one worker trains the shared tiny_sft run
+pytestmark = [pytest.mark.xdist_group("tiny_sft"),  # one worker trains the shared tiny_sft run
+              pytest.mark.fp32("rollout/training, layout and resume equalities at fp32 precision")]
 
 VARIANTS = {  # recipe -> a metric only that variant logs (None: none)
     "tiny_dapo": "rollout/dynamic_sampling_rounds",

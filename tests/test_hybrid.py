@@ -10,6 +10,8 @@ from megatron_rl.config import ConfigError, apply_overrides
 from recipes import get_recipe
 from tests.helpers import column, run_recipes, run_train, worst_logprob_mismatch
 
+pytestmark = pytest.mark.fp32("rollout/training, layout and resume equalities at fp32 precision")
+
 FAST = ["data.num_train=1000", "data.micro_batch_size=16", "data.global_batch_size=32", "data.num_val=64",
         "train.eval_every=0", "scheduler.decay_steps=100", "logging.progress=false", "logging.tensorboard=false",
         "checkpoint.save=false"]

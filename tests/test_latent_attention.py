@@ -10,7 +10,8 @@ from megatron_rl.config import ConfigError, apply_overrides
 from recipes import get_recipe
 from tests.helpers import column, run_recipes, run_train, worst_logprob_mismatch
 
-pytestmark = pytest.mark.xdist_group("tiny_deepseek")  # one worker trains the shared SFT run
+pytestmark = [pytest.mark.xdist_group("tiny_deepseek"),  # one worker trains the shared SFT run
+              pytest.mark.fp32("rollout/training, layout and resume equalities at fp32 precision")]
 
 
 def test_mla_rollout_logprobs_equal_training_forward(one_process, tmp_path):

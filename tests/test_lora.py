@@ -11,7 +11,8 @@ from megatron_rl.config import Config, ConfigError
 from megatron_rl.training.lora import adapters_off as lora_off
 from tests.helpers import column, metrics, processes, run_recipes, run_tool, run_train
 
-pytestmark = pytest.mark.xdist_group("lora")  # the end-to-end tests share one module fixture
+pytestmark = [pytest.mark.xdist_group("lora"),  # the end-to-end tests share one module fixture
+              pytest.mark.fp32("rollout/training, layout and resume equalities at fp32 precision")]
 
 RANK, ALPHA = 4, 8.0
 

@@ -8,7 +8,8 @@ from megatron_rl.checkpointing import checkpoint_dir
 from megatron_rl.data import packing
 from tests.helpers import column, run_recipes
 
-pytestmark = pytest.mark.xdist_group("packing")  # the tests share one module fixture: one worker runs them
+pytestmark = [pytest.mark.xdist_group("packing"),  # the tests share one module fixture: one worker runs them
+              pytest.mark.fp32("rollout/training, layout and resume equalities at fp32 precision")]
 
 # Operands of up to 8 digits: samples of 5 to 30 tokens, so packs hold segments of 16 and 32 tokens.
 QUICK = ["data.digits=8", "data.seq_length=32", "data.num_train=512", "data.num_val=64", "train.eval_every=0",

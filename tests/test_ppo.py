@@ -8,7 +8,8 @@ import torch
 from megatron_rl import losses
 from tests.helpers import column, processes, run_train
 
-pytestmark = pytest.mark.xdist_group("tiny_sft")  # the policy and the critic start from the shared tiny_sft run
+pytestmark = [pytest.mark.xdist_group("tiny_sft"),  # the policy and the critic start from the shared tiny_sft run
+              pytest.mark.fp32("rollout/training, layout and resume equalities at fp32 precision")]
 
 
 def test_token_rewards_put_the_score_on_the_last_token_and_the_kl_on_every_token():

@@ -13,7 +13,8 @@ from megatron_rl.data.sft import DataError
 from recipes import get_recipe
 from tests.helpers import column, metrics, run_recipes, run_train
 
-pytestmark = pytest.mark.xdist_group("preference")  # the tests share one module fixture: one worker runs them
+pytestmark = [pytest.mark.xdist_group("preference"),  # the tests share one module fixture: one worker runs them
+              pytest.mark.fp32("rollout/training, layout and resume equalities at fp32 precision")]
 QUICK = ["data.num_train=512", "data.num_val=64", "train.eval_every=0", "scheduler.decay_steps=100",
          "logging.progress=false", "logging.tensorboard=false", "checkpoint.save=false", "train.max_steps=3",
          "data.negatives=plus1:0.5,plus10:0.25,random:0.25"]

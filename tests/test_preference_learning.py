@@ -7,7 +7,8 @@ import pytest
 
 from tests.helpers import column, metrics, run_train
 
-pytestmark = pytest.mark.xdist_group("tiny_sft")  # one worker trains the shared tiny_sft run
+pytestmark = [pytest.mark.xdist_group("tiny_sft"),  # one worker trains the shared tiny_sft run
+              pytest.mark.fp32("rollout/training, layout and resume equalities at fp32 precision")]
 
 QUIET = ["logging.progress=false", "logging.tensorboard=false"]
 # Shortened tiny_rm (from scratch, tiny_sft's samples among its wrong answers; 400 steps, 2 layers and no weight

@@ -9,6 +9,8 @@ import torch
 from megatron_rl.config import Config
 from tests.hf_models import save_tiny_model
 
+pytestmark = pytest.mark.fp32("rollout/training, layout and resume equalities at fp32 precision")
+
 SCORE_TOL = 1e-4  # fp32, max abs difference
 
 

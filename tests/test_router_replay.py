@@ -8,6 +8,8 @@ import pytest
 
 from tests.helpers import ROOT, column, run_train, threads, torchrun
 
+pytestmark = pytest.mark.fp32("rollout/training, layout and resume equalities at fp32 precision")
+
 
 @pytest.mark.parametrize("layout, nproc", [(["train.recompute=full"], 1), (["parallel.ep=2"], 2),
                                            (["parallel.pp=2"], 2), (["parallel.tp=2", "parallel.sp=true"], 2),

@@ -10,6 +10,8 @@ from megatron_rl.checkpointing import checkpoint_dir
 from megatron_rl.data.sft import Batches
 from tests.helpers import column, metrics, processes, run_train
 
+pytestmark = pytest.mark.fp32("rollout/training, layout and resume equalities at fp32 precision")
+
 # Small and fast: a few thousand samples, short schedule fixed independently of max_steps.
 FAST = ["data.num_train=2000", "data.micro_batch_size=32", "data.num_val=128", "train.eval_every=0", "scheduler.decay_steps=100",
         "logging.progress=false", "logging.tensorboard=false"]

@@ -427,7 +427,7 @@ def train_on(trainee, cfg: Config, batch: dict, tape=None) -> dict:
     a = cfg.algorithm
     record, seen = None, None
     if "old_logp" not in batch:
-        seen = torch.zeros_like(batch["loss_mask"])
+        seen = torch.zeros_like(batch["loss_mask"], device=platform.device())  # filled without host reads
 
         def record(mb, logp):
             put_tokens(seen, mb, logp)
@@ -438,7 +438,7 @@ def train_on(trainee, cfg: Config, batch: dict, tape=None) -> dict:
             *(["rollout_logp"] if a.mismatch_correction != "none" else []), *(["routes", "fed"] if tape is not None else [])]
     sums, grad_norms = passes(trainee, cfg, {k: batch[k] for k in keys}, loss_fn, tape)
     if seen is not None:
-        batch["old_logp"] = cp_sum(seen)  # each context-parallel rank filled the positions it holds
+        batch["old_logp"] = cp_sum(seen).cpu()  # each context-parallel rank filled the positions it holds
     tokens = max(sums.get("tokens", 0.0), 1.0)
     out = {"train/loss": sums.get("loss_num", 0.0) / max(sums.get("loss_den", 0.0), 1.0),
            "train/clip_frac": sums.get("clipped", 0.0) / tokens, "train/entropy": sums.get("entropy_sum", 0.0) / tokens,

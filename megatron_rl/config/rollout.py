@@ -41,9 +41,21 @@ class RolloutConfig:
     kv_cache_gb: float = 0.25
     block_size_tokens: int = 32
     """KV cache block size (paged attention)."""
+    cuda_graphs: bool = True
+    """On CUDA, decode steps replay CUDA graphs (megatron-core's local graphs, one per batch size it
+    captures at start; prefill steps and training run eagerly): the host launches a step in one call
+    rather than kernel by kernel. Ignored on the CPU."""
+    num_cuda_graphs: int = 16
+    """Decode batch sizes with a CUDA graph (rollout.cuda_graphs): a step runs the smallest one that
+    holds its requests."""
+    batch_invariant: bool = False
+    """Rollouts and training on megatron-core's batch-invariant kernels (Thinking Machines': matmul,
+    log_softmax and mean whose every row is computed the same way whatever the batch), so that bf16
+    rollout logprobs come closer to the training forward's. CUDA with Triton only; slower."""
 
     def validate(self):
-        positive(self, "n", "max_new_tokens", "max_requests", "max_tokens", "block_size_tokens", "max_turns")
+        positive(self, "n", "max_new_tokens", "max_requests", "max_tokens", "block_size_tokens", "max_turns",
+                 "num_cuda_graphs")
         if self.observation_format not in ("text", "chat"):
             raise ConfigError(f"rollout.observation_format={self.observation_format!r} must be 'text' or 'chat'.")
         if self.top_k and self.top_p:

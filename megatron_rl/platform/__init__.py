@@ -42,6 +42,10 @@ if not has_cuda():
     from . import cpu as _cpu
 
     _cpu.apply()
+else:
+    # torch's cuDNN attention builds a cuDNN graph for every new shape (RL's microbatches and decode
+    # batches change shape every step); its flash and memory-efficient kernels need none.
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 class LaunchError(ValueError):
@@ -171,7 +175,7 @@ def device() -> torch.device:
     """The device this rank computes on."""
     if has_cuda():
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return _cpu.CPU  # the one object megatron's torch.cuda.current_device() answers (syncs.py tells it from the host)
 
 
 def init_distributed(launch: Launch | None = None, timeout_minutes: int = 30) -> Launch:
@@ -288,8 +292,10 @@ def any_rank(flag: bool, group=None) -> bool:
     return bool(t.item())
 
 
-def init_model_parallel(tp=1, pp=1, vpp=None, cp=1, ep=1, etp=None, seed=1234):
-    """Megatron's process groups and its model-parallel RNG tracker, seeded."""
+def init_model_parallel(tp=1, pp=1, vpp=None, cp=1, ep=1, etp=None, seed=1234, cuda_graphs=False):
+    """Megatron's process groups and its model-parallel RNG tracker, seeded; one that CUDA graphs can
+    capture where the rollout's decode runs in them (cuda_graphs, on CUDA: megatron's graph manager
+    refuses another)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -301,7 +307,17 @@ def init_model_parallel(tp=1, pp=1, vpp=None, cp=1, ep=1, etp=None, seed=1234):
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
     )
     torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
+    graphs = cuda_graphs and has_cuda()
+    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=graphs, force_reset_rng=graphs)
+
+
+def use_batch_invariant_kernels() -> None:
+    """From now on megatron-core's batch-invariant kernels (Triton, CUDA) replace torch's matmul,
+    log_softmax and mean (rollout.batch_invariant, for the whole run: rollouts and training; support.py
+    checks the machine)."""
+    from megatron.core.transformer.custom_layers.batch_invariant_kernels import enable_batch_invariant_mode
+
+    enable_batch_invariant_mode()
 
 
 def shutdown():

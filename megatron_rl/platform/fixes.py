@@ -1,6 +1,7 @@
 """Fixes for megatron-core 0.16.1 bugs that do not depend on the device, only on Transformer
 Engine (or apex) being absent, or on a virtual pipeline during inference: paths megatron does not
-exercise; and the gradient of MLA's rotary key at TP > 1 with the local spec. Each fix is guarded
+exercise; the gradient of MLA's rotary key at TP > 1 with the local spec; host reads in the packed
+rotary embedding; and training kept out of the decode CUDA graphs. Each fix is guarded
 by its condition, so nothing changes elsewhere; tests show each is needed (tests/test_platform.py;
 for the virtual pipeline, tests/test_sft.py's VPP test, whose GRPO step fails without it; for MLA,
 tests/test_latent_attention.py's layout test).
@@ -239,6 +240,45 @@ def _mamba_stack_final_norm(module):
     module.TENorm = Norm
 
 
+def _rotary_thd_without_host_reads(module):
+    """megatron's rotary embedding of a packed row (THD) splits the row by `cu_seqlens.tolist()` and
+    compares a tensor element with a size in an `if`: two reads of the device in every attention
+    layer's forward, each a wait for the GPU (and no CUDA graph). Without context parallelism each
+    token's frequencies are those of its position in its sample, found on the device (case 2 of
+    megatron's; case 1, the frequencies of every position of the row, when there are as many of them
+    as rows): the same numbers."""
+    thd = module._apply_rotary_pos_emb_thd
+
+    @functools.wraps(thd)
+    def without_reads(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0,
+                      cp_group=None):
+        if cp_group is None or cp_group.size() > 1:
+            return thd(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
+        rows = torch.arange(t.shape[0], device=t.device)
+        if freqs.size(0) != t.shape[0]:
+            sample = torch.searchsorted(cu_seqlens[1:], rows, right=True).clamp(max=len(cu_seqlens) - 2)
+            rows = (rows - cu_seqlens[sample]).clamp(max=freqs.size(0) - 1)
+        return module._apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[rows], rotary_interleaved=rotary_interleaved,
+                                                 multi_latent_attention=multi_latent_attention,
+                                                 mscale=mscale).squeeze(1)
+
+    module._apply_rotary_pos_emb_thd = without_reads
+
+
+def _local_graphs_for_decode_only(module):
+    """rollout.cuda_graphs builds the model with megatron's local CUDA graphs (cuda_graph_impl="local")
+    for the engine's decode steps; but a layer with a graph manager then also captures and replays
+    graphs of its training forward and backward (any call without an inference context), which
+    assume fixed shapes and buffers that RL's varying microbatches do not have. Training stays eager."""
+    decide = module.TransformerLayer._should_call_local_cudagraph
+
+    @functools.wraps(decide)
+    def decode_only(self, *args, **kwargs):
+        return kwargs.get("inference_context") is not None and decide(self, *args, **kwargs)
+
+    module.TransformerLayer._should_call_local_cudagraph = decode_only
+
+
 def _results_queue_by_fork(module):
     """dist_checkpointing's writer hands its results back through a queue served by a Manager process
     it starts with 'spawn', which re-imports train.py, torch and megatron: about 2 s at every process's
@@ -266,6 +306,8 @@ def apply():
                  "megatron.core.inference.engines.dynamic_engine"):
         hooks.hide(name, "wandb")
     hooks.on_import("megatron.core.dist_checkpointing.strategies.filesystem_async", _results_queue_by_fork)
+    hooks.on_import("megatron.core.models.common.embeddings.rope_utils", _rotary_thd_without_host_reads)
+    hooks.on_import("megatron.core.transformer.transformer_layer", _local_graphs_for_decode_only)
     hooks.on_import("megatron.core.ssm.mamba_mixer", _mamba_without_kernels)
     hooks.on_import("megatron.core.ssm.mamba_mixer", _short_chunk_conv_state)
     hooks.on_import("megatron.core.ssm.mamba_block", _mamba_stack_final_norm)

@@ -46,60 +46,82 @@ def _keys(k_cache, v_cache, block_table, needed: int, device):
 MIN_GEMM_ROWS = 4
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal=True, softmax_scale=None,
-                            **_unused):
-    """Decode: q (B, 1, heads, d) against each request's first cache_seqlens[b] cached keys.
+class _Step:
+    """What the engine knows on the host before a step's forward (rollout/engine.py's context sets it
+    in initialize_attention_state, outside the forward): how many keys the longest request has (or
+    the static maximum in a CUDA-graphed step), and the step's number, which keys the decode mask
+    every layer shares. The forward itself then reads nothing from the device."""
 
-    The query heads sharing a key/value head are the rows of one scaled_dot_product_attention
-    call on that head (padded to MIN_GEMM_ROWS rows): torch's CPU flash kernel then computes every
-    head exactly as the training forward's causal attention computes that token, so that rollout
-    and training logprobs agree bit for bit here. It reads the gathered keys in place (no
-    transposed copies) and costs about half as much as explicit matmuls and softmax."""
-    k, v = _keys(k_cache, v_cache, block_table, int(cache_seqlens.max()), q.device)  # (B, groups, L, d)
+    keys = 0
+    number = 0
+
+
+def plan_step(max_keys: int) -> None:
+    _Step.keys = max_keys
+    _Step.number += 1
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal=True, softmax_scale=None,
+                            max_seqlen_k: int | None = None, **_unused):
+    """Decode: q (B, 1, heads, d) against each request's first cache_seqlens[b] cached keys, over
+    max_seqlen_k keys (default: the step's, plan_step).
+
+    On the CPU the query heads sharing a key/value head are the rows of one
+    scaled_dot_product_attention call on that head (padded to MIN_GEMM_ROWS rows): torch's CPU flash
+    kernel then computes every head exactly as the training forward's causal attention computes that
+    token, so that rollout and training logprobs agree bit for bit here. It reads the gathered keys in
+    place (no transposed copies) and costs about half as much as explicit matmuls and softmax. The
+    mask is in the query's dtype: a float32 mask with bf16 queries sends CUDA's SDPA to another
+    kernel than training's."""
+    planned = max_seqlen_k is None
+    k, v = _keys(k_cache, v_cache, block_table, _Step.keys if planned else max_seqlen_k, q.device)  # (B, groups, L, d)
     b, groups, length, d = k.shape
     per_group = q.shape[2] // groups
     qg = q.reshape(b, groups, per_group, d)  # heads are ordered group-major
-    if per_group < MIN_GEMM_ROWS:
+    if per_group < MIN_GEMM_ROWS and q.device.type == "cpu":
         qg = torch.cat([qg, qg.new_zeros(b, groups, MIN_GEMM_ROWS - per_group, d)], dim=2)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=_decode_mask(cache_seqlens, length), scale=softmax_scale)
+    mask = _decode_mask(cache_seqlens, length, q.dtype, _Step.number if planned else None)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=softmax_scale)
     return out[:, :, :per_group].reshape(b, 1, groups * per_group, -1)
 
 
-_last_mask = (None, None, None)  # (cache_seqlens, inference mode, mask) of the last decode step
+_last_mask = (None, None)  # (key, mask) of the last decode step
 
 
-def _decode_mask(cache_seqlens, length):
-    """(B, 1, 1, L) additive mask: 0 on each request's first cache_seqlens[b] keys, -inf after. The
-    kernel would turn a boolean mask into this very tensor (the same arithmetic) on every call;
-    made once per decode step (every layer asks again) it saves about 0.3 of SDPA's 2 ms a call on
-    CPU at 64 requests."""
+def _decode_mask(cache_seqlens, length, dtype, step):
+    """(B, 1, 1, L) additive mask in `dtype`: 0 on each request's first cache_seqlens[b] keys, -inf
+    after. The kernel would turn a boolean mask into this very tensor (the same arithmetic) on every
+    call; made once per decode step (step: its number; every layer asks again) it saves about 0.3 of
+    SDPA's 2 ms a call on CPU at 64 requests."""
     global _last_mask
-    seqlens, mode, mask = _last_mask
-    inference = torch.is_inference_mode_enabled()
-    if mask is None or mode != inference or mask.shape[-1] != length or not torch.equal(seqlens, cache_seqlens):
+    key = (step, torch.is_inference_mode_enabled(), length, dtype, len(cache_seqlens))
+    if step is None or _last_mask[0] != key:
         valid = torch.arange(length, device=cache_seqlens.device)[None, :] < cache_seqlens.clamp(min=1)[:, None]
-        mask = torch.zeros(valid.shape, device=valid.device).masked_fill_(~valid, float("-inf"))[:, None, None, :]
-        _last_mask = (cache_seqlens.clone(), inference, mask)
-    return mask
+        mask = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
+        _last_mask = (key, mask[:, None, None, :])
+    return _last_mask[1]
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
                            causal=True, block_table=None, **_unused):
-    """Prefill: packed queries q (T, heads, d) of B requests against their paged caches k, v."""
-    q_lens = cu_seqlens_q.diff()
-    k_lens = cu_seqlens_k.diff()
-    n = int(cu_seqlens_q[-1])
-    requests = torch.repeat_interleave(torch.arange(len(q_lens), device=q.device), q_lens)  # (n,)
-    pos = torch.arange(n, device=q.device) - cu_seqlens_q[requests]  # position within the request's queries
-    padded = q.new_zeros(len(q_lens), int(max_seqlen_q), *q.shape[1:])  # (B, max_q, heads, d)
-    padded[requests, pos] = q[:n]
+    """Prefill: packed queries q (T, heads, d) of B requests against their paged caches k, v. T may
+    exceed the requests' tokens (padding rows: their output is 0). max_seqlen_q and max_seqlen_k are
+    host numbers; nothing is read from the device."""
+    b, t, max_q = len(cu_seqlens_q) - 1, q.shape[0], int(max_seqlen_q)
+    q_lens, k_lens = cu_seqlens_q.diff(), cu_seqlens_k.diff()
+    rows = torch.arange(t, device=q.device)
+    requests = torch.searchsorted(cu_seqlens_q[1:], rows, right=True).clamp(max=b - 1)  # (T,)
+    real = rows < cu_seqlens_q[-1]
+    # each row's slot in the (B, max_q + 1) grid; padding rows go to the last column, never attended
+    slot = requests * (max_q + 1) + torch.where(real, rows - cu_seqlens_q[requests], max_q)
+    grid = q.new_zeros(b * (max_q + 1), *q.shape[1:]).index_copy_(0, slot, q)
+    padded = grid.view(b, max_q + 1, *q.shape[1:])[:, :max_q]  # (B, max_q, heads, d)
     keys, values = _keys(k, v, block_table, int(max_seqlen_k), q.device)  # (B, groups, L, d)
     key_pos = torch.arange(keys.shape[2], device=q.device)[None, None, :]  # (1, 1, L)
-    query_pos = (k_lens - q_lens)[:, None, None] + torch.arange(int(max_seqlen_q), device=q.device)[None, :, None]
+    query_pos = (k_lens - q_lens)[:, None, None] + torch.arange(max_q, device=q.device)[None, :, None]
     mask = (key_pos <= query_pos) & (key_pos < k_lens[:, None, None])  # (B, max_q, L)
     mask[..., 0] = True  # padding query rows: attend somewhere rather than to nothing (NaN)
     out = F.scaled_dot_product_attention(padded.transpose(1, 2), keys, values, attn_mask=mask[:, None],
                                          scale=softmax_scale, enable_gqa=keys.shape[1] != q.shape[1])
-    result = q.new_zeros(*q.shape[:-1], values.shape[-1])  # values may have other channels than keys (MLA)
-    result[:n] = out.transpose(1, 2)[requests, pos]
-    return result
+    out = F.pad(out.transpose(1, 2), (0, 0, 0, 0, 0, 1))  # (B, max_q + 1, heads, dv): the last column 0
+    return out.flatten(0, 1).index_select(0, slot)  # values may have other channels than keys (MLA)

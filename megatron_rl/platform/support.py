@@ -1,7 +1,8 @@
 """Whether this machine can run the settings asked for, before any process group starts: FP8 in
 Transformer Engine's own words (its probes check_fp8_support, check_fp8_block_scaling_support and
 check_mxfp8_support know the hardware, CUDA and cuBLAS each recipe needs; no compute-capability
-rules of ours), and the optimizer's bf16 state and CPU offload (GPU-only in megatron-core)."""
+rules of ours), the optimizer's bf16 state and CPU offload (GPU-only in megatron-core), and the
+batch-invariant kernels (Triton)."""
 
 from megatron_rl.config import ConfigError
 
@@ -27,6 +28,19 @@ def check_support(cfg) -> None:
     """Raise a one-sentence ConfigError when a setting of `cfg` cannot run on this machine."""
     check_fp8(cfg.fp8)
     check_optimizer(cfg.optimizer)
+    check_rollout(cfg.rollout)
+
+
+def check_rollout(rollout) -> None:
+    """rollout.batch_invariant runs megatron-core's Triton kernels, which need CUDA."""
+    import importlib.util
+
+    import torch
+
+    if rollout.batch_invariant and not (torch.cuda.is_available() and importlib.util.find_spec("triton")):
+        raise ConfigError("rollout.batch_invariant=true needs a GPU with Triton (megatron-core's batch-invariant "
+                          "kernels are Triton kernels); on the CPU rollout and training logprobs already agree "
+                          "to 1e-5: set rollout.batch_invariant=false.")
 
 
 def check_optimizer(optimizer) -> None:

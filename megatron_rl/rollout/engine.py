@@ -152,6 +152,15 @@ def _context_class():
         if not torch.cuda.is_available():
             TOKEN_ROUNDER = 8
 
+        def initialize_attention_state(self, **kwargs) -> None:
+            """megatron's, then the step's key count for our paged attention (platform/paged_attention.py),
+            so that its forward reads nothing from the device (a host number already: the longest
+            request's keys, or in a CUDA-graphed step the static maximum)."""
+            from megatron_rl.platform import paged_attention
+
+            super().initialize_attention_state(**kwargs)
+            paged_attention.plan_step(int(self.cu_kv_lengths()[2]))
+
         def allocate_all_tensors(self, *, is_init: bool) -> None:
             super().allocate_all_tensors(is_init=is_init)
             if self.is_hybrid_model and self.mamba_ssm_states.dtype != torch.float32:
@@ -207,11 +216,14 @@ class RolloutEngine:
         if m.multi_latent_attention:
             heads = m.num_attention_heads  # unused by the latent cache, but megatron divides it by TP
         layers = sum(len(get_attr_wrapped_model(c, "decoder").layers) for c in unwrapped)  # this rank's (cached)
+        # decode-only CUDA graphs where the model was built for them (rollout.cuda_graphs on CUDA)
+        graphs = get_attr_wrapped_model(self.model, "config").cuda_graph_impl == "local"
         self.context = _context_class()(
             params_dtype=dtype, num_layers=layers, kv_channels=kv_channels, num_attention_heads=heads,
             max_sequence_length=rollout.max_sequence_length, buffer_size_gb=rollout.kv_cache_gb,
             max_requests=rollout.max_requests, block_size_tokens=rollout.block_size_tokens,
             max_tokens=rollout.max_tokens, materialize_only_last_token_logits=True,
+            num_cuda_graphs=rollout.num_cuda_graphs if graphs else None, use_cuda_graphs_for_non_decode_steps=False,
             mamba_inference_state_config=_mamba_states(unwrapped) if m.hybrid_pattern else None,
             **(dict(cache_mla_latent=True, kv_lora_rank=m.kv_lora_rank, qk_pos_emb_head_dim=m.qk_pos_head_dim)
                if m.multi_latent_attention else {}))

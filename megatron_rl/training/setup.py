@@ -52,7 +52,8 @@ def build_model(cfg: Config, wrap_ddp: bool = True, meta: bool = False, adapters
     dtype = compute_dtype(cfg)
     attention.training_keys = cfg.data.seq_length  # CPU attention of long sequences (attention.ONE_PASS_KEYS)
     get_family(cfg.model.family)  # an unknown family is a clear error before anything is built
-    provider = Provider(cfg.model, cfg.parallel, dtype, fp8=cfg.fp8, recompute=cfg.train.recompute)
+    provider = Provider(cfg.model, cfg.parallel, dtype, fp8=cfg.fp8, recompute=cfg.train.recompute,
+                        cuda_graphs=cfg.rollout.cuda_graphs and torch.cuda.is_available() and not meta)
     tconfig = provider.transformer_config()
     if meta:  # initialization on the meta device is free, and it marks which weights TP shards
         tconfig.use_cpu_initialization = True
@@ -157,12 +158,12 @@ def _optimizer_memory_kwargs(o) -> dict:
 
 
 def build_trainee(cfg: Config) -> Trainee:
-    from megatron.core.distributed import finalize_model_grads
+    from megatron_rl.training.step import finalize_grads
 
     model, tconfig = build_model(cfg, adapters=True)
     # The schedule calls this after the last backward: DP/embedding grad all-reduce and the
     # division by the global token count (calculate_per_token_loss).
-    tconfig.finalize_model_grads_func = finalize_model_grads
+    tconfig.finalize_model_grads_func = finalize_grads
     optimizer, scheduler = build_optimizer(cfg, model)
     return Trainee(model=model, optimizer=optimizer, scheduler=scheduler, config=tconfig,
                    max_skipped_steps=cfg.train.max_skipped_steps)

@@ -61,14 +61,15 @@ def _cp_share_packed(batch: dict, cp: int, rank: int) -> dict:
 
 
 def put_tokens(out: torch.Tensor, mb: dict, values: torch.Tensor) -> None:
-    """Write a microbatch's per-token values (b, W, ...) into the batch-wide (N, S, ...) `out` (on the
-    CPU, in its dtype) at its rows (mb["index"]) and the positions this rank computed; 0 where another
-    context-parallel rank holds the token (packed microbatches), so that cp_sum(out) adds up each
-    token once."""
+    """Write a microbatch's per-token values (b, W, ...) into the batch-wide (N, S, ...) `out` (on its
+    device, in its dtype: on the compute device nothing is read back) at its rows (mb["index"]) and
+    the positions this rank computed; 0 where another context-parallel rank holds the token (packed
+    microbatches), so that cp_sum(out) adds up each token once."""
     if "held" in mb:
         held = mb["held"].bool().reshape(*mb["held"].shape, *[1] * (values.dim() - 2))
         values = values.masked_fill(~held, 0)
-    out[mb["index"][:, None].cpu(), mb["positions"][None, :].cpu()] = values.to(out.dtype).cpu()
+    rows, positions = mb["index"][:, None].to(out.device), mb["positions"][None, :].to(out.device)
+    out[rows, positions] = values.to(out.device, out.dtype)
 
 
 def cp_sum(x: torch.Tensor) -> torch.Tensor:
@@ -128,28 +129,40 @@ def make_microbatches(cfg, batch: dict, per_microbatch: int, flatten=None) -> li
     return packing.packed_microbatches(batch, chosen, multiple, total_multiple, total, flatten)
 
 
-def _packed_forward(model, batch: dict):
-    """The microbatch's samples as one packed row (data/packing.py) through the model; on the last
-    stage the output is put back into the samples' (b, W, ...) grid."""
+def _packed_inputs(host: dict) -> tuple:
+    """A packed microbatch's model inputs, worked out on the host from its (CPU) index tensors: the
+    samples' tokens as one row (data/packing.py), their positions, and the attention's
+    PackedSeqParams with the plan of its calls (model_providers/attention.py packed_plan); so
+    that the forward reads nothing from the device."""
     from megatron.core.packed_seq_params import PackedSeqParams
-    from megatron.core.utils import get_attr_wrapped_model
 
     from megatron_rl.data.packing import packed_row
-    from model_providers.attention import packed_samples
+    from model_providers.attention import packed_plan, packed_samples
 
-    cu = batch["pack_cu"]
-    tokens = batch["tokens"]
-    packed = packed_row(tokens, batch)
-    positions = (torch.arange(int(cu[-1]), device=cu.device) - cu.long()[packed_samples(cu)])[None]
-    if "pack_mine" in batch:  # this context-parallel rank's share of the row
-        packed, positions = packed[:, batch["pack_mine"]], positions[:, batch["pack_mine"]]
-    longest = int(cu.diff().max())
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
-                             cu_seqlens_kv_padded=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
+    cu = host["pack_cu"]
+    packed = packed_row(host["tokens"], host)
+    positions = (torch.arange(int(cu[-1])) - cu.long()[packed_samples(cu)])[None]
+    if "pack_mine" in host:  # this context-parallel rank's share of the row
+        packed, positions = packed[:, host["pack_mine"]], positions[:, host["pack_mine"]]
+    longest, on = int(cu.diff().max()), device()
+    cu_device = cu.to(on)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_device, cu_seqlens_kv=cu_device,
+                             cu_seqlens_q_padded=cu_device, cu_seqlens_kv_padded=cu_device, max_seqlen_q=longest,
+                             max_seqlen_kv=longest)
+    params.attention_plan = packed_plan(cu, on)
+    return packed.to(on), positions.to(on), params
+
+
+def _packed_forward(model, batch: dict, inputs: tuple):
+    """The microbatch's packed row (_packed_inputs) through the model; on the last stage the output is
+    put back into the samples' (b, W, ...) grid."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    packed, positions, params = inputs
     output = model(packed, positions, None, packed_seq_params=params)
     if not get_attr_wrapped_model(model, "post_process"):
         return output  # hidden states for the next pipeline stage
-    b, w = tokens.shape
+    b, w = batch["tokens"].shape
     grid = output.new_zeros(b * w, *output.shape[2:])
     grid[batch["pack_dst"]] = output[0, batch["pack_src"]]
     return grid.view(b, w, *output.shape[2:])
@@ -157,12 +170,12 @@ def _packed_forward(model, batch: dict):
 
 def _forward_step(loss_fn, data_iterator, model):
     watchdog.beat("forward")
-    batch = cp_share({k: v.to(device()) for k, v in next(data_iterator).items()})
-    tokens = batch["tokens"]
-    if "pack_cu" in batch:
-        return _packed_forward(model, batch), partial(loss_fn, batch)
+    host = cp_share(next(data_iterator))  # index work on the host, where it reads no device memory
+    batch = {k: v.to(device()) for k, v in host.items()}
+    if "pack_cu" in host:
+        return _packed_forward(model, batch, _packed_inputs(host)), partial(loss_fn, batch)
     # attention_mask=None: the local spec's attention builds its causal mask itself.
-    output = model(tokens, batch["positions"].unsqueeze(0).expand_as(tokens), None)
+    output = model(batch["tokens"], batch["positions"].unsqueeze(0).expand_as(batch["tokens"]), None)
     return output, partial(loss_fn, batch)
 
 
@@ -236,47 +249,99 @@ def reduce_reports(reports: list[dict]) -> dict[str, float]:
         dist.broadcast_object_list(holder, src=ps.get_pipeline_model_parallel_last_rank(),
                                    group=ps.get_pipeline_model_parallel_group())
         keys = holder[0]
-    sums = torch.zeros(len(keys), dtype=torch.float64)
-    if is_last:
-        for r in reports:
-            sums += torch.stack([torch.as_tensor(r[k], dtype=torch.float64).cpu() for k in keys])
-    sums = sums.to(device())
+    sums = torch.zeros(len(keys), dtype=torch.float64, device=device())
+    if is_last and reports and keys:  # each microbatch's values where its loss left them (the device): one read below
+        sums = torch.stack([torch.stack([torch.as_tensor(r[k]).detach().to(device(), torch.float64) for k in keys])
+                            for r in reports]).sum(0)
     if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
         dist.all_reduce(sums, group=ps.get_data_parallel_group(with_context_parallel=True))
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast(sums, src=ps.get_pipeline_model_parallel_last_rank(),
                        group=ps.get_pipeline_model_parallel_group())
-    return dict(zip(keys, sums.cpu().tolist()))
+    return dict(zip(keys, sums.tolist()))
+
+
+def finalize_grads(model: list, num_tokens, pg_collection=None, force_all_reduce=False):
+    """megatron-core's finalize_model_grads (the schedule calls it after the last backward: gradient
+    all-reduces), with its division by the global token count done on the device: megatron's
+    `if num_tokens > 0` waits for the GPU once a step. With no tokens the gradients are 0, and
+    dividing by 1 leaves them so."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel.utils import get_pp_last_rank
+
+    finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+    if num_tokens is None:
+        return
+    pp = pg_collection.pp if pg_collection is not None else ps.get_pipeline_model_parallel_group()
+    dp_cp = pg_collection.dp_cp if pg_collection is not None else ps.get_data_parallel_group(with_context_parallel=True)
+    torch.distributed.broadcast(num_tokens, src=get_pp_last_rank(pp), group=pp)
+    torch.distributed.all_reduce(num_tokens, group=dp_cp)
+    scaling = 1.0 / num_tokens.clamp(min=1)
+    for chunk in model:
+        chunk.scale_gradients(scaling)
 
 
 class Diverged(RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient norm."""
 
 
+def _sub_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def squared_grad_norm(optimizer) -> torch.Tensor:
+    """The square of the main gradients' global L2 norm, on the device (nothing read): the per-tensor
+    norms in one torch._foreach_norm, their norm, squared and summed over the gradient-statistics
+    group; megatron's choice of the grads and the group (model parallel, or the whole world with the
+    distributed optimizer) and its arithmetic without apex, so the same number to the bit."""
+    grads = [g for sub in _sub_optimizers(optimizer) for g in sub.get_main_grads_for_grad_norm()]
+    squared = torch.norm(torch.stack(torch._foreach_norm(grads))) ** 2 if grads else torch.zeros((), device=device())
+    torch.distributed.all_reduce(squared, group=optimizer.get_grad_stats_parallel_group())
+    return squared
+
+
+def _clip(optimizer, norm: float) -> None:
+    """Scale each sub-optimizer's gradients by clip_grad / norm where the norm exceeds its clip_grad
+    (megatron's clip_grad_by_total_norm_fp32, one fused multiply)."""
+    for sub in _sub_optimizers(optimizer):
+        clip = sub.config.clip_grad
+        coefficient = clip / (norm + 1.0e-6)
+        if clip <= 0.0 or coefficient >= 1.0 or getattr(sub, "is_stub_optimizer", False):
+            continue
+        decoupled = sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+        grads = [g for p in sub.get_parameters() if (g := getattr(p, "decoupled_grad" if decoupled else "grad", None))
+                 is not None]
+        if grads:
+            torch._foreach_mul_(grads, coefficient)
+
+
 def optimizer_step(trainee) -> tuple[bool, float]:
     """One optimizer + LR-schedule step after gradients were accumulated; (applied, grad_norm).
 
-    A NaN or Inf anywhere in the gradients (a non-finite loss makes them so) gives a non-finite
-    global gradient norm, the same all-reduced number on every rank: then no rank updates (megatron's
-    bf16/fp32 optimizers would step anyway) and the LR schedule stays; the step's data is consumed.
-    After trainee.max_skipped_steps such steps in a row, Diverged."""
+    The gradient norm is computed once (squared_grad_norm) and read once: that read is the step's
+    finite check. A NaN or Inf anywhere in the gradients (a non-finite loss makes them so) gives a non-finite
+    global norm, the same all-reduced number on every rank: then no rank updates (megatron's bf16/fp32
+    optimizers would step anyway) and the LR schedule stays; the step's data is consumed. After
+    trainee.max_skipped_steps such steps in a row, Diverged."""
     watchdog.beat("optimizer step")
     optimizer = trainee.optimizer
-    if not optimizer.prepare_grads():  # (fp16 loss scaling's own overflow check said nothing)
-        norm = optimizer.get_grad_norm()
-        if norm is not None and not math.isfinite(norm):
-            trainee.skipped_steps += 1
-            trainee.skipped_in_a_row += 1
-            if trainee.skipped_in_a_row >= trainee.max_skipped_steps:
-                raise Diverged(f"{trainee.skipped_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
-                               f"norm (train.max_skipped_steps={trainee.max_skipped_steps}), so the run stops; its "
-                               "last checkpoint is intact: resume with a lower optimizer.lr or check the data.")
-            return False, float(norm)
-    update_successful, grad_norm, _ = optimizer.step()  # (prepares the gradients again: a copy)
-    if update_successful:
-        trainee.skipped_in_a_row = 0
-        trainee.scheduler.step(increment=1)
-    return update_successful, float(grad_norm or 0.0)
+    if optimizer.prepare_grads():  # fp16 loss scaling's own overflow check: megatron skips the step
+        return False, 0.0
+    norm = float(squared_grad_norm(optimizer)) ** 0.5
+    if not math.isfinite(norm):
+        trainee.skipped_steps += 1
+        trainee.skipped_in_a_row += 1
+        if trainee.skipped_in_a_row >= trainee.max_skipped_steps:
+            raise Diverged(f"{trainee.skipped_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
+                           f"norm (train.max_skipped_steps={trainee.max_skipped_steps}), so the run stops; its "
+                           "last checkpoint is intact: resume with a lower optimizer.lr or check the data.")
+        return False, norm
+    _clip(optimizer, norm)
+    optimizer.step_with_ready_grads()
+    trainee.skipped_in_a_row = 0
+    trainee.scheduler.step(increment=1)
+    return True, norm
 
 
 def zero_grads(trainee):
