@@ -76,7 +76,7 @@ bench() {
 }
 trl() {  # GRPO against TRL's GRPOTrainer, both on the GPU in bf16 (TRL from the carried wheels); reports MFU
   if [ $DRY = 1 ]; then
-    phase grpo_vs_trl 60 $PY bench/grpo_vs_trl.py --ours-only --prompts 2 --n 2 --new-tokens 8 --seq-length 32 \
+    phase grpo_vs_trl 60 $PY bench/grpo_vs_trl.py --ours-only --prompts 4 --n 4 --new-tokens 8 --seq-length 32 \
         --steps 2 --repeats 1 --threads 1
   else
     phase grpo_vs_trl 150 $PY bench/grpo_vs_trl.py --precision bf16 --trl-python $PY --threads 16 \

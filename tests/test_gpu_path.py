@@ -135,3 +135,27 @@ def test_training_stays_out_of_the_decode_cuda_graphs():
     decide = TransformerLayer._should_call_local_cudagraph
     assert decide.__wrapped__(layer, attention_mask=None, inference_context=None), "megatron graphs training now?"
     assert not decide(layer, attention_mask=None, inference_context=None)
+
+
+def test_gpu_check_dry_run(tmp_path):
+    """bench/gpu_check.sh --dry-run: every phase of the GPU script at toy size on the CPU, each passing
+    (the batch-invariant run is refused here: it needs CUDA), with the bf16 mismatch in its summary."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, launch_env
+
+    env = {**launch_env(), "OUT": str(tmp_path / "out"), "LOGS": str(tmp_path / "logs"), "PYTHON": sys.executable}
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]
+    proc = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    outcomes = dict(line.split()[:2] for line in summary.splitlines() if " rc=" in line)
+    expected = {"sft_bf16", "grpo_bf16", "grpo_bf16_invariant", "probe", "rollout_b64", "grpo_vs_trl", "pytest"}
+    assert set(outcomes) == expected, summary + proc.stderr[-2000:]
+    assert outcomes.pop("grpo_bf16_invariant") == "rc=2", summary
+    assert set(outcomes.values()) == {"rc=0"}, summary
+    mismatch = next(line for line in summary.splitlines() if line.startswith("bf16 mismatch"))
+    assert float(mismatch.split()[3]) <= 1e-5, summary  # max, bf16 on the CPU
+    assert (tmp_path / "out" / "results.tar.gz").exists()
