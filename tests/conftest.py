@@ -12,8 +12,8 @@ torch.set_num_threads(int(threads()))
 
 
 # The same suite on a GPU (make test there): a test marked cpu_only("why") is skipped where CUDA runs;
-# one marked fp32("why") asserts bounds that hold in fp32, so its recipes run in fp32 there too
-# (train.precision=auto is bf16 on a GPU: helpers.fp32_on_cuda). On the CPU both change nothing.
+# one marked fp32("why") asserts bounds that hold in fp32, so its recipes and models run in fp32 there
+# too (train.precision=auto is bf16 on a GPU: fp32_bounds). On the CPU both change nothing.
 def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available():
         return
@@ -24,10 +24,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def fp32_bounds(request):
+def fp32_bounds(request, monkeypatch):
+    """A test marked fp32: its train.py runs get train.precision=fp32 where CUDA runs (helpers), and so do
+    the models it builds in this process with train.precision=auto."""
     from tests import helpers
 
     helpers.FP32_BOUNDS = request.node.get_closest_marker("fp32") is not None
+    if helpers.FP32_BOUNDS and torch.cuda.is_available():
+        from megatron_rl.training import setup
+
+        chosen = setup.compute_dtype
+        monkeypatch.setattr(setup, "compute_dtype",
+                            lambda cfg: torch.float32 if cfg.train.precision == "auto" else chosen(cfg))
     yield
     helpers.FP32_BOUNDS = False
 

@@ -80,7 +80,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cau
     qg = q.reshape(b, groups, per_group, d)  # heads are ordered group-major
     if per_group < MIN_GEMM_ROWS and q.device.type == "cpu":
         qg = torch.cat([qg, qg.new_zeros(b, groups, MIN_GEMM_ROWS - per_group, d)], dim=2)
-    mask = _decode_mask(cache_seqlens, length, q.dtype, _Step.number if planned else None)
+    # one mask per step on the CPU; on CUDA each layer makes its own (cheap there, and a CUDA graph
+    # captured per layer must not read a tensor another layer's graph made)
+    mask = _decode_mask(cache_seqlens, length, q.dtype, _Step.number if planned and q.device.type == "cpu" else None)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=softmax_scale)
     return out[:, :, :per_group].reshape(b, 1, groups * per_group, -1)
 

@@ -6,6 +6,7 @@ torch.inference_mode and hands the model back in train mode. The KV cache is pag
 batching is continuous: a finished sequence leaves the batch at once and stops costing compute.
 """
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -234,7 +235,21 @@ class RolloutEngine:
         wrapper = _wrapper_class()(self.model, wrapper_config, self.context)
         wrapper.vocab_size, wrapper.chunks = m.vocab_size, unwrapped
         self.controller = _fast_sampling_controller_class()(wrapper, MegatronTokenizer(tokenizer))
-        self.engine = DynamicInferenceEngine(self.controller, self.context, random_seed=rollout.seed)
+        with self._eval(), torch.inference_mode():  # CUDA graphs (where on) are captured now, as decode steps run
+            self.engine = DynamicInferenceEngine(self.controller, self.context, random_seed=rollout.seed)
+
+    @contextlib.contextmanager
+    def _eval(self):
+        """The model in eval mode, as the engine runs it; back in train mode after, without the inference
+        tensors megatron's buffers kept."""
+        for chunk in self.chunks:
+            chunk.eval()
+        try:
+            yield
+        finally:
+            for chunk in self.chunks:
+                chunk.train()
+            _drop_inference_buffers()
 
     def sampling_params(self, greedy: bool = False, stop: list[str] | None = None, max_new_tokens: int = 0):
         """stop: the stop strings (default rollout.stop); max_new_tokens: default rollout.max_new_tokens."""
@@ -259,17 +274,14 @@ class RolloutEngine:
         budgets = max_new_tokens or [0] * len(prompts)
         self.engine.reset()
         self.controller.sampling_rng.manual_seed(seed)
-        for chunk in self.chunks:
-            chunk.eval()
-        try:
-            order = []
+        order, done = [], {}
+        with self._eval():
             for i, prompt in enumerate(prompts):
                 params = self.sampling_params(greedy, stops[i], budgets[i])
                 for j in range(n):
                     request_id = i * n + j
                     self.engine.add_request(request_id, list(prompt), params)
                     order.append(request_id)
-            done = {}
             if tape is not None:
                 tape.start_recording(self.context, {k: routes[k // n] for k in order} if routes else None)
             with torch.inference_mode(), cpu.packed_weights():  # no weight changes during a rollout
@@ -278,10 +290,6 @@ class RolloutEngine:
                     for record in self.engine.step_modern()["finished_request_records"]:
                         request = record.merge()
                         done[request.request_id] = request
-        finally:
-            for chunk in self.chunks:
-                chunk.train()
-            _drop_inference_buffers()
         samples = [done[i] for i in order]
         prompt_ids = [r.prompt_tokens.tolist() for r in samples]
         completions = [list(r.generated_tokens) for r in samples]
