@@ -290,15 +290,29 @@ def _sub_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def squared_grad_norm(optimizer) -> torch.Tensor:
-    """The square of the main gradients' global L2 norm, on the device (nothing read): the per-tensor
-    norms in one torch._foreach_norm, their norm, squared and summed over the gradient-statistics
-    group; megatron's choice of the grads and the group (model parallel, or the whole world with the
-    distributed optimizer) and its arithmetic without apex, so the same number to the bit."""
-    grads = [g for sub in _sub_optimizers(optimizer) for g in sub.get_main_grads_for_grad_norm()]
-    squared = torch.norm(torch.stack(torch._foreach_norm(grads))) ** 2 if grads else torch.zeros((), device=device())
-    torch.distributed.all_reduce(squared, group=optimizer.get_grad_stats_parallel_group())
-    return squared
+def squared_grad_norms(optimizer) -> torch.Tensor:
+    """The squares of the main gradients' L2 norms, on the device (nothing read): one per gradient-
+    statistics group (one, unless expert parallelism gives the experts' optimizer its own). Each is
+    the norm of the per-tensor norms (one torch._foreach_norm), squared and summed over its group:
+    megatron's choice of the grads and the groups (model parallel, or the whole world with the
+    distributed optimizer) and its arithmetic without apex, so that global_norm gives its number to the bit."""
+    subs = _sub_optimizers(optimizer)
+    shared = len(subs) == 1 or optimizer.grads_states_parallel_group_is_shared()
+    squares = []
+    for group in [subs] if shared else [[sub] for sub in subs]:
+        grads = [g for sub in group for g in sub.get_main_grads_for_grad_norm()]
+        squared = torch.norm(torch.stack(torch._foreach_norm(grads))) ** 2 if grads else torch.zeros((), device=device())
+        torch.distributed.all_reduce(squared, group=group[0].get_grad_stats_parallel_group())
+        squares.append(squared)
+    return torch.stack(squares)
+
+
+def global_norm(squares: list[float]) -> float:
+    """The global gradient norm from squared_grad_norms, read: megatron's arithmetic (its chained
+    optimizer adds the groups' norms' squares on the host)."""
+    if len(squares) == 1:
+        return squares[0] ** 0.5
+    return math.sqrt(sum((s ** 0.5) ** 2 for s in squares))
 
 
 def _clip(optimizer, norm: float) -> None:
@@ -319,7 +333,7 @@ def _clip(optimizer, norm: float) -> None:
 def optimizer_step(trainee) -> tuple[bool, float]:
     """One optimizer + LR-schedule step after gradients were accumulated; (applied, grad_norm).
 
-    The gradient norm is computed once (squared_grad_norm) and read once: that read is the step's
+    The gradient norm is computed once (squared_grad_norms) and read once: that read is the step's
     finite check. A NaN or Inf anywhere in the gradients (a non-finite loss makes them so) gives a non-finite
     global norm, the same all-reduced number on every rank: then no rank updates (megatron's bf16/fp32
     optimizers would step anyway) and the LR schedule stays; the step's data is consumed. After
@@ -328,7 +342,7 @@ def optimizer_step(trainee) -> tuple[bool, float]:
     optimizer = trainee.optimizer
     if optimizer.prepare_grads():  # fp16 loss scaling's own overflow check: megatron skips the step
         return False, 0.0
-    norm = float(squared_grad_norm(optimizer)) ** 0.5
+    norm = global_norm(squared_grad_norms(optimizer).tolist())
     if not math.isfinite(norm):
         trainee.skipped_steps += 1
         trainee.skipped_in_a_row += 1
