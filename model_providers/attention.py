@@ -49,10 +49,13 @@ def load_balanced_packed_positions(cu_seqlens: torch.Tensor, cp: int, rank: int)
                       for start, end in zip(bounds[:-1], bounds[1:])])
 
 
-def packed_samples(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Which sample each position of a packed row (samples starting at cu_seqlens) belongs to."""
-    lengths = cu_seqlens.diff().long()
-    return torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths)
+def packed_positions(cu_seqlens: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the first `rows` rows of a packed row (samples starting at cu_seqlens): each row's sample
+    and its position in that sample. `rows` is a host number, so nothing is read from the device; rows
+    after the last sample count as the last sample's, at positions past its end."""
+    index = torch.arange(rows, device=cu_seqlens.device)
+    sample = torch.searchsorted(cu_seqlens[1:], index, right=True).clamp(max=len(cu_seqlens) - 2)
+    return sample, index - cu_seqlens[sample]
 
 
 _last_packed_cp_mask = (None, None)  # every layer of a microbatch asks for the same mask
@@ -63,11 +66,12 @@ def _packed_cp_mask(cu_seqlens: torch.Tensor, cp: int, rank: int, window: int) -
     parallel group: causal, and within each sample. Made once per microbatch (a Python loop over
     its samples), not once per layer."""
     global _last_packed_cp_mask
-    key = (tuple(cu_seqlens.tolist()), cp, rank, window, cu_seqlens.device, torch.is_inference_mode_enabled())
+    bounds = tuple(cu_seqlens.tolist())
+    key = (bounds, cp, rank, window, cu_seqlens.device, torch.is_inference_mode_enabled())
     if _last_packed_cp_mask[0] != key:
         q_pos = load_balanced_packed_positions(cu_seqlens, cp, rank)
         k_pos = torch.cat([load_balanced_packed_positions(cu_seqlens, cp, r) for r in range(cp)])
-        sample = packed_samples(cu_seqlens)
+        sample, _ = packed_positions(cu_seqlens, bounds[-1])
         mask = position_mask(q_pos, k_pos, window) & (sample[q_pos][:, None] == sample[k_pos][None, :])
         _last_packed_cp_mask = (key, mask)
     return _last_packed_cp_mask[1]

@@ -252,12 +252,14 @@ def _rotary_thd_without_host_reads(module):
     @functools.wraps(thd)
     def without_reads(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0,
                       cp_group=None):
+        from model_providers.attention import packed_positions
+
         if cp_group is None or cp_group.size() > 1:
             return thd(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
-        rows = torch.arange(t.shape[0], device=t.device)
-        if freqs.size(0) != t.shape[0]:
-            sample = torch.searchsorted(cu_seqlens[1:], rows, right=True).clamp(max=len(cu_seqlens) - 2)
-            rows = (rows - cu_seqlens[sample]).clamp(max=freqs.size(0) - 1)
+        if freqs.size(0) == t.shape[0]:
+            rows = torch.arange(t.shape[0], device=t.device)
+        else:
+            rows = packed_positions(cu_seqlens, t.shape[0])[1].clamp(max=freqs.size(0) - 1)
         return module._apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[rows], rotary_interleaved=rotary_interleaved,
                                                  multi_latent_attention=multi_latent_attention,
                                                  mscale=mscale).squeeze(1)

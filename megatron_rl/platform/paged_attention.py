@@ -12,7 +12,7 @@ end of each request's keys).
 import torch
 import torch.nn.functional as F
 
-from model_providers.attention import fixed_keys
+from model_providers.attention import fixed_keys, packed_positions
 
 
 def _gather_kv(k_cache, v_cache, block_table, length):
@@ -109,13 +109,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """Prefill: packed queries q (T, heads, d) of B requests against their paged caches k, v. T may
     exceed the requests' tokens (padding rows: their output is 0). max_seqlen_q and max_seqlen_k are
     host numbers; nothing is read from the device."""
-    b, t, max_q = len(cu_seqlens_q) - 1, q.shape[0], int(max_seqlen_q)
+    b, max_q = len(cu_seqlens_q) - 1, int(max_seqlen_q)
     q_lens, k_lens = cu_seqlens_q.diff(), cu_seqlens_k.diff()
-    rows = torch.arange(t, device=q.device)
-    requests = torch.searchsorted(cu_seqlens_q[1:], rows, right=True).clamp(max=b - 1)  # (T,)
-    real = rows < cu_seqlens_q[-1]
+    requests, pos = packed_positions(cu_seqlens_q, q.shape[0])  # (T,) each
     # each row's slot in the (B, max_q + 1) grid; padding rows go to the last column, never attended
-    slot = requests * (max_q + 1) + torch.where(real, rows - cu_seqlens_q[requests], max_q)
+    slot = requests * (max_q + 1) + torch.where(pos < q_lens[requests], pos, max_q)
     grid = q.new_zeros(b * (max_q + 1), *q.shape[1:]).index_copy_(0, slot, q)
     padded = grid.view(b, max_q + 1, *q.shape[1:])[:, :max_q]  # (B, max_q, heads, d)
     keys, values = _keys(k, v, block_table, int(max_seqlen_k), q.device)  # (B, groups, L, d)

@@ -137,11 +137,11 @@ def _packed_inputs(host: dict) -> tuple:
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from megatron_rl.data.packing import packed_row
-    from model_providers.attention import packed_plan, packed_samples
+    from model_providers.attention import packed_plan, packed_positions
 
     cu = host["pack_cu"]
     packed = packed_row(host["tokens"], host)
-    positions = (torch.arange(int(cu[-1])) - cu.long()[packed_samples(cu)])[None]
+    positions = packed_positions(cu, int(cu[-1]))[1][None]
     if "pack_mine" in host:  # this context-parallel rank's share of the row
         packed, positions = packed[:, host["pack_mine"]], positions[:, host["pack_mine"]]
     longest, on = int(cu.diff().max()), device()
