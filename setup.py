@@ -5,6 +5,9 @@ setup(
     version="0.1.0",
     description="Post-training LLMs (SFT, DPO, GRPO family, PPO, distillation) on NVIDIA Megatron-Core",
     python_requires=">=3.10",
+    # the packages sit in the project root (package_dir ""), so an editable install is a plain path entry,
+    # without setuptools' meta-path finder and its warning box
+    package_dir={"": "."},
     packages=find_packages(include=["megatron_rl", "megatron_rl.*", "model_providers", "model_providers.*",
                                     "recipes", "recipes.*"]),
     py_modules=["train"],

@@ -48,6 +48,9 @@ def main(argv=None) -> int:
         return 2
     try:
         cfg = apply_overrides(get_recipe(args.recipe), args.overrides)
+        for line in cfg.logging.take_environment(os.environ):  # W&B's own variables fill what the config leaves empty
+            if launch.rank == 0:
+                print(line, file=sys.stderr)
         if cfg.model.hf_path:  # the HF checkpoint's config.json sets the architecture
             from megatron_rl.hf import resolve_model
 
@@ -60,6 +63,10 @@ def main(argv=None) -> int:
 
             check_support(cfg)
             check_same_run(run_dir, cfg)
+            if cfg.logging.wandb_project:
+                from megatron_rl.logging import check_wandb_login
+
+                check_wandb_login(cfg.logging.wandb_mode)
     except ConfigError as e:
         if launch.rank == 0:
             print(f"error: {e}", file=sys.stderr)

@@ -56,3 +56,16 @@ def test_gpu_extra_pins_what_megatron_core_supports():
 def test_dockerignore_keeps_local_state_out():
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".git", ".venv", "runs", "bench/.trl-venv"} <= set(ignored)
+
+
+def test_an_editable_install_is_a_plain_path_entry(monkeypatch):
+    """`pip install -e .` (make install) prints no warning box: with the packages declared to sit in the
+    project root, setuptools writes a path entry instead of its meta-path finder, which warns."""
+    from distutils.core import run_setup
+
+    from setuptools.command.editable_wheel import _StaticPth, editable_wheel
+
+    monkeypatch.chdir(ROOT)
+    command = editable_wheel(run_setup("setup.py", stop_after="config"))
+    command.ensure_finalized()
+    assert isinstance(command._select_strategy("megatron_rl", "py3-none-any", "build"), _StaticPth)

@@ -34,13 +34,37 @@ class LoggingConfig:
     progress: bool = True
     """A progress bar with ETA on the console of rank 0."""
     wandb_project: str = ""
-    """Weights & Biases project to log to (empty: off). Needs `pip install wandb`."""
+    """Weights & Biases project to log to (empty: $WANDB_PROJECT, else off). Needs `pip install wandb`."""
     wandb_run: str = ""
     """The W&B run's name (empty: the run directory's name)."""
     wandb_entity: str = ""
-    """W&B team or user (empty: your default)."""
-    wandb_mode: Literal["online", "offline"] = "online"
-    """offline writes the run under <run_dir>/wandb for a later `wandb sync`."""
+    """W&B team or user (empty: $WANDB_ENTITY, else your default)."""
+    wandb_mode: Literal["", "online", "offline", "disabled"] = ""
+    """online, or offline (the run under <wandb_dir>/wandb for a later `wandb sync`); empty: $WANDB_MODE,
+    else online."""
+    wandb_dir: str = ""
+    """Where W&B writes its files (empty: $WANDB_DIR, else the run directory)."""
+    wandb_run_id: str = ""
+    """The W&B run id (empty: $WANDB_RUN_ID, else one kept in <run_dir>/wandb_id, so a resumed run
+    continues the same W&B run)."""
+    wandb_resume: Literal["", "allow", "must", "never", "auto"] = ""
+    """wandb.init's resume (empty: $WANDB_RESUME, else allow)."""
+
+    def take_environment(self, env) -> list[str]:
+        """Fill the W&B fields the config leaves empty from W&B's own environment variables, as every W&B
+        user sets them (the config wins where set); returns one line per field taken, naming its source."""
+        taken = []
+        for name, var in WANDB_ENVIRONMENT.items():
+            value = env.get(var, "")
+            if not getattr(self, name) and value:
+                value = "offline" if (name, value) == ("wandb_mode", "dryrun") else value  # W&B's old name
+                setattr(self, name, value)
+                taken.append(f"logging.{name}={value} (from ${var})")
+        return taken
+
+
+WANDB_ENVIRONMENT = {"wandb_project": "WANDB_PROJECT", "wandb_entity": "WANDB_ENTITY", "wandb_mode": "WANDB_MODE",
+                     "wandb_dir": "WANDB_DIR", "wandb_run_id": "WANDB_RUN_ID", "wandb_resume": "WANDB_RESUME"}
 
 
 @dataclass(kw_only=True)

@@ -81,13 +81,22 @@ class Config:
             raise ConfigError(f"train.threads={self.train.threads} must be >= 0 (0: torch's default).")
         if self.train.eval_every < 0 or self.checkpoint.save_every < 0:
             raise ConfigError("train.eval_every and checkpoint.save_every must be >= 0 (0 means at the end only).")
-        if self.logging.wandb_project:
+        self._validate_wandb()
+        return self
+
+    def _validate_wandb(self):
+        g = self.logging
+        for name, choices in (("wandb_mode", ("", "online", "offline", "disabled")),
+                              ("wandb_resume", ("", "allow", "must", "never", "auto"))):
+            if getattr(g, name) not in choices:  # it came from W&B's environment variable
+                raise ConfigError(f"logging.{name}={getattr(g, name)!r} is not one of {', '.join(choices[1:])}; fix "
+                                  f"${name.upper()} or set logging.{name}.")
+        if g.wandb_project:
             import importlib.util
 
             if importlib.util.find_spec("wandb") is None:
                 raise ConfigError("logging.wandb_project needs Weights & Biases: pip install wandb (or pip install -e "
-                                  "'.[wandb]'), or leave logging.wandb_project empty.")
-        return self
+                                  "'.[wandb]'), or leave logging.wandb_project (and $WANDB_PROJECT) empty.")
 
     def _validate_grpo(self, dp: int):
         a, r = self.algorithm, self.rollout

@@ -96,16 +96,48 @@ def _step_of(line: str) -> float:
 
 
 def _start_wandb(run_dir: Path, settings: dict):
-    """A W&B run for this run directory: its id is kept in <run_dir>/wandb_id, so a resumed run
-    continues the same W&B run."""
+    """A W&B run for this run directory: unless settings name an id, its id is kept in <run_dir>/wandb_id,
+    so a resumed run continues the same W&B run."""
     import uuid
 
     import wandb
 
     id_file = run_dir / "wandb_id"
-    run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
-    id_file.write_text(run_id + "\n")
-    return wandb.init(dir=str(run_dir), id=run_id, resume="allow", **settings)
+    if not settings.get("id"):
+        settings = {**settings, "id": id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]}
+    id_file.write_text(settings["id"] + "\n")
+    Path(settings["dir"]).mkdir(parents=True, exist_ok=True)
+    try:
+        return wandb.init(**settings)
+    except wandb.errors.UsageError as e:
+        from megatron_rl.config import ConfigError
+
+        raise ConfigError(f"Weights & Biases refused to start ({e}): {LOGIN_HINT}.") from None
+
+
+LOGIN_HINT = ("run `wandb login` (or set $WANDB_API_KEY) to log online, or log offline with WANDB_MODE=offline "
+              "or logging.wandb_mode=offline")
+
+
+def check_wandb_login(mode: str):
+    """Before a run starts: an online W&B run needs credentials ($WANDB_API_KEY, or what `wandb login` wrote
+    to ~/.netrc for the W&B host); without them, one sentence (W&B itself fails with a traceback)."""
+    import netrc
+    import os
+    from urllib.parse import urlparse
+
+    from megatron_rl.config import ConfigError
+
+    if mode not in ("", "online") or os.environ.get("WANDB_API_KEY"):
+        return
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        found = netrc.netrc(os.environ.get("NETRC")).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        found = None
+    if not found:
+        raise ConfigError(f"logging to Weights & Biases online needs a login, and there is none for {host}: "
+                          f"{LOGIN_HINT}.")
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

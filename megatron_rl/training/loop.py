@@ -23,7 +23,8 @@ def start_log(cfg: Config, run_dir: Path, step: int, resumed_from=None, trainee=
 
     g = cfg.logging
     wandb = dict(project=g.wandb_project, name=g.wandb_run or Path(run_dir).name, entity=g.wandb_entity or None,
-                 mode=g.wandb_mode, config=cfg.to_dict()) if g.wandb_project else None
+                 mode=g.wandb_mode or "online", dir=g.wandb_dir or str(run_dir), id=g.wandb_run_id or None,
+                 resume=g.wandb_resume or "allow", config=cfg.to_dict()) if g.wandb_project else None
     log = RunLogger(run_dir, cfg.train.max_steps, step, enabled=dist.get_rank() == 0, tensorboard=g.tensorboard,
                     progress=g.progress, desc=cfg.recipe or cfg.algorithm.name, wandb=wandb)
     if resumed_from is not None:
