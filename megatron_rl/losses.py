@@ -282,19 +282,26 @@ def preference_loss(delta_chosen: torch.Tensor, delta_rejected: torch.Tensor, be
     """Per-pair loss (N,) of the DPO family from each response's log-ratio to the reference,
     delta = sum_t (log pi(y_t) - log pi_ref(y_t)) over its tokens (or the per-token mean), x = delta_c - delta_r.
 
-    'sigmoid' (DPO, Rafailov et al. 2023): -log s(beta x); with label smoothing e (the assumed share
-    of flipped labels): -(1 - e) log s(beta x) - e log s(-beta x). 'ipo' (Azar et al. 2023):
+    'sigmoid' (DPO, Rafailov et al. 2023): -log s(beta x). With label smoothing e, the assumed share of
+    flipped labels: 'cdpo' (conservative DPO, Mitchell 2023) -(1 - e) log s(beta x) - e log s(-beta x),
+    and 'robust' (rDPO, Chowdhury et al. 2024; TRL's robust) the unbiased
+    (-(1 - e) log s(beta x) + e log s(-beta x)) / (1 - 2e). 'ipo' (Azar et al. 2023):
     (x - 1 / (2 beta))^2, on per-token mean log-ratios. 'hinge' (SLiC): max(0, 1 - beta x).
     """
     x = delta_chosen - delta_rejected
+    e = label_smoothing
     match kind:
         case "sigmoid":
-            return -(1 - label_smoothing) * F.logsigmoid(beta * x) - label_smoothing * F.logsigmoid(-beta * x)
+            return -F.logsigmoid(beta * x)
+        case "cdpo":
+            return -(1 - e) * F.logsigmoid(beta * x) - e * F.logsigmoid(-beta * x)
+        case "robust":
+            return (-(1 - e) * F.logsigmoid(beta * x) + e * F.logsigmoid(-beta * x)) / (1 - 2 * e)
         case "ipo":
             return (x - 1 / (2 * beta)) ** 2
         case "hinge":
             return torch.relu(1 - beta * x)
-    raise ValueError(f"unknown preference loss {kind!r}; use 'sigmoid', 'ipo' or 'hinge'")
+    raise ValueError(f"unknown preference loss {kind!r}; use 'sigmoid', 'cdpo', 'robust', 'ipo' or 'hinge'")
 
 
 def bradley_terry_loss(score_chosen: torch.Tensor, score_rejected: torch.Tensor, margin: torch.Tensor | None = None,

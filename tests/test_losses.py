@@ -117,6 +117,23 @@ def test_cispo_keeps_gradient_of_clipped_tokens():
     assert logp.grad[0].tolist() == pytest.approx([-2.4, -1.8])  # the clipped token still learns
 
 
+def test_cispo_defaults_have_no_lower_bound_and_trls_cap():
+    """policy_loss=cispo without clip settings: weights are not floored (MiniMax-M1) and capped at 5
+    (TRL's CISPO epsilon_high=5.0); ppo keeps 0.2/0.2, and a setting the user made stays."""
+    from megatron_rl.algorithms.grpo import policy_loss
+    from megatron_rl.config import AlgorithmConfig
+
+    a = AlgorithmConfig(name="grpo", policy_loss="cispo")
+    assert a.clip_range() == (1.0, 4.0)
+    assert AlgorithmConfig(name="grpo").clip_range() == (0.2, 0.2)
+    assert AlgorithmConfig(name="grpo", policy_loss="cispo", clip_high=0.28).clip_range() == (1.0, 0.28)
+    logp = torch.tensor([[math.log(0.1), math.log(9.0)]])
+    batch = {"advantages": torch.tensor([1.0]), "loss_mask": torch.ones(1, 2)}
+    loss, clipped = policy_loss(a, logp, torch.zeros(1, 2), batch)
+    assert loss[0].tolist() == pytest.approx([-0.1 * math.log(0.1), -5.0 * math.log(9.0)])
+    assert clipped[0].tolist() == [False, True]
+
+
 def test_loss_aggregations_by_hand():
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [5.0, 5.0, 5.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
@@ -182,7 +199,8 @@ def _sig(x):
     return 1 / (1 + math.exp(-x))
 
 
-@pytest.mark.parametrize("kind, smoothing", [("sigmoid", 0.0), ("sigmoid", 0.1), ("ipo", 0.0), ("hinge", 0.0)])
+@pytest.mark.parametrize("kind, smoothing", [("sigmoid", 0.0), ("cdpo", 0.1), ("robust", 0.1), ("ipo", 0.0),
+                                             ("hinge", 0.0)])
 def test_preference_losses_and_their_gradients(kind, smoothing):
     """Each DPO-family loss and its derivative in x = delta_c - delta_r, from the formulas by hand."""
     beta = 0.5
@@ -191,9 +209,12 @@ def test_preference_losses_and_their_gradients(kind, smoothing):
     loss = losses.preference_loss(chosen, rejected, beta, kind, smoothing)
     loss.sum().backward()
     for i, x in enumerate((0.2, -2.0, 2.0)):
-        if kind == "sigmoid":  # -(1-e) log s(bx) - e log s(-bx); d/dx = -(1-e) b s(-bx) + e b s(bx)
+        if kind in ("sigmoid", "cdpo"):  # -(1-e) log s(bx) - e log s(-bx); d/dx = -(1-e) b s(-bx) + e b s(bx)
             value = -(1 - smoothing) * math.log(_sig(beta * x)) - smoothing * math.log(_sig(-beta * x))
             slope = -(1 - smoothing) * beta * _sig(-beta * x) + smoothing * beta * _sig(beta * x)
+        elif kind == "robust":  # (-(1-e) log s(bx) + e log s(-bx)) / (1-2e)
+            value = (-(1 - smoothing) * math.log(_sig(beta * x)) + smoothing * math.log(_sig(-beta * x))) / (1 - 2 * smoothing)
+            slope = (-(1 - smoothing) * beta * _sig(-beta * x) - smoothing * beta * _sig(beta * x)) / (1 - 2 * smoothing)
         elif kind == "ipo":  # (x - 1/(2b))^2
             value, slope = (x - 1 / (2 * beta)) ** 2, 2 * (x - 1 / (2 * beta))
         else:  # max(0, 1 - b x)
@@ -207,7 +228,7 @@ def test_dpo_loss_is_ln2_when_the_policy_is_the_reference():
     zero = torch.zeros(4)
     assert losses.preference_loss(zero, zero, 0.1).tolist() == pytest.approx([math.log(2)] * 4, abs=1e-7)
     with pytest.raises(ValueError, match="unknown preference loss"):
-        losses.preference_loss(zero, zero, 0.1, "robust")
+        losses.preference_loss(zero, zero, 0.1, "exo_pair")
 
 
 def test_bradley_terry_with_margin_and_centering():

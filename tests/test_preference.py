@@ -193,7 +193,9 @@ def test_bad_preference_rows(tok, row, message):
 @pytest.mark.parametrize("overrides, message", [
     (["algorithm.beta=0"], "algorithm.beta=0.0 must be positive"),
     (["algorithm.preference_loss=ipo", "algorithm.average_logprobs=false"], "unset algorithm.average_logprobs"),
-    (["algorithm.preference_loss=hinge", "algorithm.label_smoothing=0.1"], "needs algorithm.preference_loss=sigmoid"),
+    (["algorithm.preference_loss=hinge", "algorithm.label_smoothing=0.1"], "needs algorithm.preference_loss=cdpo or robust"),
+    (["algorithm.label_smoothing=0.1"], "does nothing to preference_loss=sigmoid .as in TRL.: set algorithm.preference_loss=cdpo"),
+    (["algorithm.preference_loss=robust", "algorithm.label_smoothing=0.5"], "algorithm.label_smoothing=0.5 must be in"),
     (["algorithm.name=rm"], "algorithm.name=rm trains a scalar score head: set model.head=score"),
     (["model.head=score"], "set model.head=lm"),
     (["rewards.fn=reward_model"], "rewards.fn=reward_model and rewards.model=PATH go together"),

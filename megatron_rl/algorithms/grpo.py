@@ -42,13 +42,14 @@ from megatron_rl.training.step import cp_sum, first_cp_rank, forward_only, globa
 def policy_loss(a, logp: torch.Tensor, old: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token policy loss (B, S) and which tokens a clip affected, for the configured variant."""
     adv, mask = batch["advantages"], batch["loss_mask"]
+    low, high = a.clip_range()
     match a.policy_loss, a.ratio_level:
         case "ppo", "token":
-            return losses.clipped_policy_loss(logp, old, adv, a.clip_low, a.clip_high, a.dual_clip)
+            return losses.clipped_policy_loss(logp, old, adv, low, high, a.dual_clip)
         case "ppo", "sequence":
-            return losses.gspo_policy_loss(logp, old, adv, mask, a.clip_low, a.clip_high)
+            return losses.gspo_policy_loss(logp, old, adv, mask, low, high)
         case "cispo", "token":
-            return losses.cispo_policy_loss(logp, old, adv, a.clip_low, a.clip_high)
+            return losses.cispo_policy_loss(logp, old, adv, low, high)
     raise ValueError(f"no policy loss for algorithm.policy_loss={a.policy_loss} with ratio_level={a.ratio_level}")
 
 

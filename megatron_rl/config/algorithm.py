@@ -22,9 +22,12 @@ class AlgorithmConfig:
     reference and training forwards and the backward (R3); off: their mismatch is measured."""
     epochs: int = 1
     """GRPO: passes over each rollout batch; the rollout-time policy stays the old policy."""
-    clip_low: float = 0.2
-    """GRPO: the ratio is clipped to [1 - clip_low, 1 + clip_high]."""
-    clip_high: float = 0.2
+    clip_low: Optional[float] = None
+    """GRPO: the ratio is clipped to [1 - clip_low, 1 + clip_high]. Unset (none): 0.2 for policy_loss=ppo;
+    1.0 for cispo, whose importance weight has no lower bound (MiniMax-M1)."""
+    clip_high: Optional[float] = None
+    """Unset (none): 0.2 for policy_loss=ppo; 4.0 for cispo, capping its weight at 5 (TRL's CISPO
+    epsilon_high=5.0 is this absolute cap: clip_high = epsilon_high - 1)."""
     kl_coef: float = 0.0
     """GRPO: weight of the KL penalty to the reference (the initial policy); 0 turns it and the
     reference model off."""
@@ -64,13 +67,15 @@ class AlgorithmConfig:
     mismatch_threshold: float = 2.0
     beta: float = 0.1
     """DPO: the strength of the implicit KL constraint to the reference (TRL's beta)."""
-    preference_loss: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
-    """DPO: sigmoid -log s(beta x) (Rafailov et al.), ipo (x - 1/(2 beta))^2 on per-token mean
-    log-ratios (Azar et al.), or hinge max(0, 1 - beta x) (SLiC); x is the chosen minus the
+    preference_loss: Literal["sigmoid", "cdpo", "robust", "ipo", "hinge"] = "sigmoid"
+    """DPO: sigmoid -log s(beta x) (Rafailov et al.); cdpo (conservative DPO) and robust (rDPO, TRL's
+    robust), which assume a share label_smoothing of flipped labels; ipo (x - 1/(2 beta))^2 on per-token
+    mean log-ratios (Azar et al.); or hinge max(0, 1 - beta x) (SLiC); x is the chosen minus the
     rejected log-ratio to the reference."""
     label_smoothing: float = 0.0
-    """DPO sigmoid loss: the assumed share of flipped labels e (conservative DPO):
-    -(1 - e) log s(beta x) - e log s(-beta x)."""
+    """DPO with preference_loss cdpo or robust: the assumed share e of flipped labels, in [0, 0.5).
+    cdpo: -(1 - e) log s(beta x) - e log s(-beta x); robust: (-(1 - e) log s(beta x) + e log s(-beta x))
+    / (1 - 2e)."""
     average_logprobs: Optional[bool] = None
     """DPO: log-ratios as per-token means over the response instead of sums; unset (none) means
     true for ipo and false otherwise."""
@@ -82,3 +87,9 @@ class AlgorithmConfig:
     center_rewards_coefficient: float = 0.0
     """Reward model: add this times mean((r_c + r_r)^2), keeping scores centered at 0 (TRL's;
     0.01 is a common value)."""
+
+    def clip_range(self) -> tuple[float, float]:
+        """(clip_low, clip_high), the unset ones at the policy loss's defaults."""
+        low, high = (1.0, 4.0) if self.policy_loss == "cispo" else (0.2, 0.2)
+        return (low if self.clip_low is None else self.clip_low), (high if self.clip_high is None else self.clip_high)
+

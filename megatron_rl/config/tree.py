@@ -216,9 +216,13 @@ class Config:
         if a.preference_loss == "ipo" and a.average_logprobs is False:
             raise ConfigError("algorithm.preference_loss=ipo is defined on per-token mean log-ratios; unset "
                               "algorithm.average_logprobs (none) or set it to true.")
-        if not 0 <= a.label_smoothing < 0.5 or (a.label_smoothing and a.preference_loss != "sigmoid"):
+        if a.label_smoothing and a.preference_loss == "sigmoid":
+            raise ConfigError(f"algorithm.label_smoothing={a.label_smoothing} does nothing to preference_loss=sigmoid "
+                              f"(as in TRL): set algorithm.preference_loss=cdpo for conservative DPO (what label "
+                              f"smoothing meant here before) or robust for TRL's robust DPO.")
+        if not 0 <= a.label_smoothing < 0.5 or (a.label_smoothing and a.preference_loss not in ("cdpo", "robust")):
             raise ConfigError(f"algorithm.label_smoothing={a.label_smoothing} must be in [0, 0.5) and needs "
-                              f"algorithm.preference_loss=sigmoid.")
+                              f"algorithm.preference_loss=cdpo or robust.")
         if a.sft_loss_weight < 0:
             raise ConfigError(f"algorithm.sft_loss_weight={a.sft_loss_weight} must be >= 0.")
 
