@@ -55,7 +55,10 @@ def main(argv=None) -> int:
             from megatron_rl.hf import resolve_model
 
             cfg.model = resolve_model(cfg.model)
-        cfg.validate(world_size=launch.world_size)
+        # a recipe printed from one process is checked against its own layout (a cluster recipe can be read on a
+        # laptop); a run is checked against the processes launched
+        single_print = args.print_config and launch.world_size == 1
+        cfg.validate(world_size=cfg.parallel.recipe_world_size() if single_print else launch.world_size)
         run_dir = Path(cfg.logging.run_dir or f"runs/{cfg.recipe}")
         if not args.print_config:
             from megatron_rl.checkpointing import check_same_run

@@ -189,16 +189,10 @@ def kv_bytes_per_token(cfg: Config, layers: int) -> int:
     return 2 * layers * max(1, heads // cfg.parallel.tp) * channels * _dtype_bytes(cfg)
 
 
-def recipe_world_size(cfg: Config) -> int:
-    """The GPUs a recipe's layout names: tp x pp x cp x dp (dp 0 counts as 1)."""
-    p = cfg.parallel
-    return p.tp * p.pp * p.cp * max(p.dp, 1)
-
-
 def plan(cfg: Config, world_size: int = 0, gpu: str = "h100") -> Plan:
     """The per-stage plan of `cfg` on `world_size` GPUs (0: tp x pp x cp x dp of the recipe)."""
     p = cfg.parallel
-    world_size = world_size or recipe_world_size(cfg)
+    world_size = world_size or cfg.parallel.recipe_world_size()
     cfg.validate(world_size)
     dp = p.data_parallel_size(world_size)
     expert_dp = world_size // (p.pp * p.ep * (p.etp or p.tp))
@@ -383,7 +377,7 @@ def fit(cfg: Config, world_size: int = 0, gpu: str = "h100", max_factor: int = 8
     from megatron_rl.config import ConfigError, apply_overrides
 
     p, m = cfg.parallel, cfg.model
-    world_size = world_size or recipe_world_size(cfg)
+    world_size = world_size or cfg.parallel.recipe_world_size()
     layouts = [([], world_size)]
     factor = 2
     while factor <= max_factor:

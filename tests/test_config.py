@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from megatron_rl.config import ConfigError, apply_overrides
@@ -174,6 +176,19 @@ def test_cli_print_config_and_list():
     proc = run_train(["--recipe", "tiny_sft", "optimizer.lr=3e-4", "train.max_steps=50", "--print-config"])
     assert '"lr": 0.0003' in proc.stdout and '"max_steps": 50' in proc.stdout
     assert "  tiny_sft " in run_train(["--list-recipes"]).stdout
+
+
+def test_every_recipe_prints_from_one_process(monkeypatch, capsys):
+    """--print-config of a cluster recipe on a laptop: checked against the recipe's own layout, not the
+    one process it was started as (nemotron_grpo at tp=2 was refused)."""
+    import train
+    from recipes import recipes_by_family
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    for name in (n for recipes in recipes_by_family().values() for n in recipes):
+        assert train.main(["--recipe", name, "--print-config"]) == 0, (name, capsys.readouterr().err)
+        assert json.loads(capsys.readouterr().out)["recipe"] == name
 
 
 def test_dict_overrides_take_numbers_or_text():

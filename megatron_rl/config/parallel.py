@@ -97,5 +97,9 @@ class ParallelConfig:
         times tp with sequence parallelism."""
         return (2 * self.cp if self.cp > 1 else 1) * (self.tp if self.sp else 1)
 
+    def recipe_world_size(self) -> int:
+        """The processes this layout names: tp x pp x cp x dp (dp 0 counts as 1)."""
+        return self.tp * self.pp * self.cp * max(self.dp, 1)
+
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp * self.cp)
