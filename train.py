@@ -20,7 +20,7 @@ def parse_args(argv=None):
     p.add_argument("--list-recipes", action="store_true", help="list recipes and exit")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("overrides", nargs="*", help="section.field=value")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides before or after the flags
 
 
 def main(argv=None) -> int:
@@ -55,6 +55,9 @@ def main(argv=None) -> int:
             from megatron_rl.hf import resolve_model
 
             cfg.model = resolve_model(cfg.model)
+        for line in cfg.fit_to_model({item.split("=", 1)[0] for item in args.overrides}):
+            if launch.rank == 0:
+                print(line, file=sys.stderr)
         # a recipe printed from one process is checked against its own layout (a cluster recipe can be read on a
         # laptop); a run is checked against the processes launched
         single_print = args.print_config and launch.world_size == 1

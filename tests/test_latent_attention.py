@@ -48,8 +48,31 @@ def test_mla_block_size_is_refused_in_one_sentence():
     cfg = apply_overrides(get_recipe("tiny_deepseek_grpo"), ["rollout.block_size_tokens=32"])
     with pytest.raises(ConfigError) as e:
         cfg.validate()
-    assert str(e.value) == ("rollout.block_size_tokens=32: megatron-core's latent KV cache, which multi-latent "
-                            "attention rolls out from, takes 64-token blocks; set rollout.block_size_tokens=64.")
+    assert str(e.value) == MLA_REFUSAL
+
+
+def test_a_deepseek_model_on_a_recipes_block_size_takes_64_and_says_so(tmp_path, monkeypatch, capsys):
+    """tiny_grpo (32-token blocks) with a DeepSeek-V3 HF model: the recipe chose 32, not the user, so the
+    model's 64 is taken with one line; 32 chosen on the command line is refused in one sentence."""
+    import train
+    from tests.hf_models import save_tiny_model
+
+    hf = save_tiny_model("deepseek_v3", tmp_path / "dsv3")
+    capsys.readouterr()
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    args = ["--recipe", "tiny_grpo", f"model.hf_path={hf}", "checkpoint.load=", "--print-config"]
+    assert get_recipe("tiny_grpo").rollout.block_size_tokens == 32
+    assert train.main(args) == 0
+    out, err = capsys.readouterr()
+    assert '"block_size_tokens": 64' in out
+    assert err.startswith("rollout.block_size_tokens=64 (the recipe's 32): megatron-core's latent KV cache"), err
+    assert train.main([*args, "rollout.block_size_tokens=32"]) == 2
+    assert capsys.readouterr().err.strip() == "error: " + MLA_REFUSAL
+
+
+MLA_REFUSAL = ("rollout.block_size_tokens=32: megatron-core's latent KV cache, which multi-latent attention rolls "
+               "out from, takes 64-token blocks; set rollout.block_size_tokens=64.")
 
 
 SEED = ["train.seed=0", "data.seed=0", "logging.progress=false", "logging.tensorboard=false"]

@@ -45,6 +45,17 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
 
+    def fit_to_model(self, chosen: set[str]) -> list[str]:
+        """Settings the model needs, taken where the user did not choose them (`chosen`: the keys set on the
+        command line) but the recipe did; one line for each. A choice the user made is checked by validate."""
+        notes = []
+        if (self.model.multi_latent_attention and self.rollout.block_size_tokens != 64
+                and "rollout.block_size_tokens" not in chosen):
+            notes.append(f"rollout.block_size_tokens=64 (the recipe's {self.rollout.block_size_tokens}): megatron-core's "
+                         f"latent KV cache, which multi-latent attention rolls out from, takes 64-token blocks")
+            self.rollout.block_size_tokens = 64
+        return notes
+
     def validate(self, world_size: int = 1):
         """Check everything that can be checked before a model is built."""
         self.model.validate()
