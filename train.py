@@ -112,7 +112,7 @@ def main(argv=None) -> int:
 
     STOPS = (Diverged, SaveFailed)  # every rank stops at the same step; the checkpoints stay
     USER_ERRORS = (ConfigError, ValueError, FileNotFoundError)  # one sentence; a fresh run directory is removed
-    platform.watch_preemption()  # SIGTERM, SIGUSR1: finish the step, save, exit 0
+    platform.watch_preemption()  # SIGTERM, SIGUSR1: finish the step, save, exit 0; Ctrl-C: the same, exit 130
     platform.tie_process_lifetimes()  # nothing survives a kill -9 of this process or of torchrun
     watchdog.start(dist.distributed_c10d._get_default_store(), launch.rank, launch.world_size,
                    cfg.train.hang_timeout_s)  # a dead, failed or frozen rank stops every rank
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     if launch.rank == 0:
         print(json.dumps({"run_dir": str(run_dir), **final}))
     platform.shutdown()
-    return 0
+    return 130 if platform.interrupted() else 0  # Ctrl-C: saved, stopped as a shell expects (128 + SIGINT)
 
 
 if __name__ == "__main__":  # dist_checkpointing's writer processes re-import this module

@@ -332,14 +332,25 @@ def is_ours(path: str | Path) -> bool:
 
 
 def resolve(path: str | Path) -> Path:
-    """A complete checkpoint directory, or a run directory standing for its latest one."""
+    """The one rule of every place that takes a checkpoint (checkpoint.load, rewards.model, distill.teacher
+    and teachers, ppo.critic's start, tools/eval.py --checkpoint, tools/convert_checkpoint.py export): a
+    complete checkpoint directory, or a run directory standing for its latest complete one, which rank 0
+    names on stdout (once per run directory)."""
     path = Path(path)
     if not (path / MARKER).exists() and (path / "checkpoints").is_dir():
         latest = latest_checkpoint(path)
-        if latest is not None:
-            return latest
+        if latest is None:
+            raise FileNotFoundError(f"run directory {str(path)!r} holds no complete checkpoint yet; train it further "
+                                    f"or point at another run or a checkpoints/step_N directory.")
+        if path not in _NAMED and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(f"{path}: its latest complete checkpoint, {latest.name}", flush=True)
+        _NAMED.add(path)
+        return latest
     _require_complete(path)
     return path
+
+
+_NAMED: set[Path] = set()  # run directories resolve() has named
 
 
 def _require_complete(path: Path):
@@ -350,7 +361,7 @@ def _require_complete(path: Path):
     if not (path / MARKER).exists():
         raise FileNotFoundError(
             f"{str(path)!r} is not a complete megatron-rl checkpoint (no '{MARKER}' marker); "
-            f"point checkpoint.load at a checkpoints/step_N directory.")
+            f"give a run directory or one of its checkpoints/step_N directories.")
     problem = damage(path)
     if problem:
         raise FileNotFoundError(f"checkpoint {str(path)!r} is damaged: {problem}; load an earlier checkpoint "

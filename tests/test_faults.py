@@ -236,6 +236,43 @@ def test_preemption_saves_and_resumes(tmp_path):
     assert stopped < 40 and latest_checkpoint(pair).name == f"step_{stopped:07d}"
 
 
+def test_ctrl_c_saves_and_exits_130(tmp_path):
+    """Ctrl-C as a terminal sends it (SIGINT to the whole process group): the run says so, finishes its
+    step, saves and exits 130, no traceback; under torchrun, which forwards the signal to ranks that got it
+    already, every rank stops at the same step and saves. A second Ctrl-C (a second later) stops at once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from megatron_rl.checkpointing import latest_checkpoint
+    from tests.helpers import ROOT, launch_env
+
+    run = ["--recipe", "tiny_sft", *FAST, "train.max_steps=2000"]
+    for nproc in (1, 2):
+        run_dir = tmp_path / f"ranks{nproc}"
+        proc = _start([*run, f"parallel.dp={nproc}", f"logging.run_dir={run_dir}"], nproc=nproc)
+        _wait_for_steps(run_dir, 2, proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+        stopped = metrics(run_dir)[-1]["step"]
+        assert stopped < 2000 and latest_checkpoint(run_dir).name == f"step_{stopped:07d}", err[-3000:]
+        assert err.count("interrupted: stopping after this step and saving a checkpoint") == 1, err[-3000:]
+        assert f"interrupted: stopped after step {stopped}, saved a checkpoint" in out + err
+        if nproc == 1:
+            assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    waiting = subprocess.Popen([sys.executable, "-c", "from megatron_rl import platform; import time; "
+                                "platform.watch_preemption(); print('ready', flush=True); time.sleep(60)"],
+                               cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert waiting.stdout.readline() == "ready\n"
+    waiting.send_signal(signal.SIGINT)
+    time.sleep(1.5)
+    assert waiting.poll() is None  # the first asks for a stop after the step
+    waiting.send_signal(signal.SIGINT)
+    assert waiting.wait(timeout=10) == 130 and "interrupted again: stopping now" in waiting.stderr.read()
+
+
 def test_run_directory_of_another_run_is_refused(tmp_path):
     """A run directory holding another recipe or another architecture is refused in one sentence
     (exit 2, the directory untouched); a changed learning rate resumes; checkpoint.resume=true with

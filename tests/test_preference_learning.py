@@ -23,6 +23,34 @@ RM_STEPS, RM_ACCURACY, RM_POLICY = 400, 0.55, 0.6
 GRPO_STEPS, GRPO_GAIN = 20, 0.10
 
 
+def export(run_dir, out):
+    """The documented export of a run directory (a reward model's too), through the tool."""
+    from tests.helpers import run_tool
+
+    proc = run_tool("convert_checkpoint.py", ["export", "--megatron", str(run_dir), "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def hf_pairwise_accuracy(hf_dir, pairs_file) -> float:
+    """Pairwise accuracy of an exported reward model as a transformers or TRL user measures it: plain
+    tokenizer(prompt + answer), padded, scored by AutoModelForSequenceClassification."""
+    import json
+
+    import torch
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(str(hf_dir), dtype=torch.float32)
+    pairs = [json.loads(line) for line in pairs_file.read_text().splitlines()]
+    scores = {}
+    for side in ("chosen", "rejected"):
+        batch = tok([p["prompt"] + p[side] for p in pairs], padding=True, return_tensors="pt")
+        with torch.no_grad():
+            scores[side] = model(**batch).logits[:, 0]
+    return (scores["chosen"] > scores["rejected"]).float().mean().item()
+
+
 def test_tiny_dpo_learns(sft_run, tmp_path):
     """20 of tiny_dpo's 100 steps: held-out greedy accuracy +25.4, +28.7, +34.2 points (seeds 0-2, each from
     its own 2000-step tiny_sft: 61.7%, 59.0%, 63.9%; where tiny_sft lands depends on the seed and on the
@@ -45,6 +73,8 @@ def test_tiny_rm_learns_and_grpo_against_it(sft_run, tmp_path):
                f"logging.run_dir={rm}"])
     last = metrics(rm)[-1]
     assert last["val/accuracy"] >= RM_ACCURACY and last["val/accuracy_policy"] >= RM_POLICY, last
+    assert hf_pairwise_accuracy(export(rm, tmp_path / "rm_hf"), rm / "data" / "pairs_val.jsonl") == pytest.approx(
+        last["val/accuracy"], abs=2 / 512)  # what the run measured, within a near-tie or two
     grpo = tmp_path / "grpo"
     run_train(["--recipe", "tiny_grpo_rm", f"train.max_steps={GRPO_STEPS}", f"train.eval_every={GRPO_STEPS}",
                "checkpoint.save=false", *QUIET, f"checkpoint.load={sft_run}", f"rewards.model={rm}",

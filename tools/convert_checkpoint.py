@@ -1,7 +1,7 @@
 """Convert between Hugging Face model directories and megatron-rl (dist_checkpointing) checkpoints.
 
     python tools/convert_checkpoint.py import --hf HF_DIR --out MEGATRON_DIR [--tp N --pp N --ep N]
-    python tools/convert_checkpoint.py export --megatron MEGATRON_DIR --out HF_DIR [--dtype bf16]
+    python tools/convert_checkpoint.py export --megatron MEGATRON_DIR_OR_RUN_DIR --out HF_DIR [--dtype bf16]
     python tools/convert_checkpoint.py export --megatron LORA_RUN_CHECKPOINT --out HF_DIR --merge-lora
     python tools/convert_checkpoint.py export --megatron LORA_RUN_CHECKPOINT --out PEFT_DIR --adapter-only
     torchrun --nproc_per_node 4 tools/convert_checkpoint.py import --hf HF_DIR --out DIR --tp 2 --pp 2
@@ -29,7 +29,8 @@ def parse_args(argv=None):
     imp.add_argument("--allow-pickle", action="store_true",
                      help="also read pickled pytorch_model*.bin weights (only from sources you trust)")
     exp = sub.add_parser("export", help="megatron-rl checkpoint -> Hugging Face")
-    exp.add_argument("--megatron", required=True, help="a megatron-rl checkpoint (checkpoints/step_N or an import)")
+    exp.add_argument("--megatron", required=True, help="a megatron-rl checkpoint (checkpoints/step_N or an import), "
+                     "or a run directory (its latest complete checkpoint)")
     exp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
                      help="tensor dtype (default: each tensor's dtype when imported, else the HF config's)")
     exp.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB")
@@ -70,11 +71,13 @@ def main(argv=None) -> int:
         if args.command == "import":
             model = model_config_from_hf(args.hf)
         else:
-            model = checkpointing.read_model_config(args.megatron)
+            source = checkpointing.resolve(args.megatron)  # a run directory: its latest complete checkpoint
+            model = checkpointing.read_model_config(source)
         cfg = Config(model=model, parallel=ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep))
+        cfg.algorithm.name = "rm" if model.head == "score" else "sft"  # the model's own kind, checked as trained
         cfg.train.precision = "fp32"  # conversions are exact: bf16/fp16 weights fit fp32 losslessly
         if args.command == "export":
-            lora = checkpointing.saved_lora(args.megatron)
+            lora = checkpointing.saved_lora(source)
             if lora and not (args.merge_lora or args.adapter_only):
                 raise ConfigError(f"{args.megatron!r} holds LoRA adapters: export with --merge-lora (HF weights with "
                                   f"them merged) or --adapter-only (a PEFT directory).")
@@ -106,12 +109,12 @@ def main(argv=None) -> int:
         else:
             if args.adapter_only:
                 from megatron_rl.hf.peft import export_peft
-                checkpointing.load_weights(chunks, args.megatron, model.head, cfg.lora)
+                checkpointing.load_weights(chunks, source, model.head, cfg.lora)
                 export_peft(chunks, model, cfg.lora, out, overwrite=args.overwrite)
             else:  # a LoRA checkpoint: its base (checked), then its adapters merged into it, as training loads it
                 from megatron_rl.training.setup import load_base
-                load_base(chunks, cfg, args.megatron)
-                export_hf(chunks, model, out, assets=Path(args.megatron) / checkpointing.ASSETS,
+                load_base(chunks, cfg, str(source))
+                export_hf(chunks, model, out, assets=source / checkpointing.ASSETS,
                           dtype=DTYPES.get(args.dtype), max_shard_bytes=parse_size(args.max_shard_size),
                           overwrite=args.overwrite)
     except ConfigError as e:

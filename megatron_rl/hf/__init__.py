@@ -167,6 +167,8 @@ def export_hf(model_chunks: list, model: ModelConfig, out: str | Path, assets: s
             if assets:
                 copy_assets(assets, tmp)
                 (tmp / DTYPE_FILE).unlink(missing_ok=True)
+                if tok is not None:
+                    encode_as_trained(tmp, score=model.head == "score")
             hf_config["dtype"] = _dtype_name(dtype)
             hf_config.pop("torch_dtype", None)
             (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
@@ -181,6 +183,32 @@ def export_hf(model_chunks: list, model: ModelConfig, out: str | Path, assets: s
         raise
     dist.barrier()
     return out
+
+
+def encode_as_trained(directory: Path, score: bool):
+    """Make the tokenizer in `directory` encode as training did, so that a transformers or TRL user's plain
+    `tokenizer(text)` gives what the model saw: [bos] text for a language model (its prompts; bos where
+    the tokenizer has one) and [bos] text [eos] for a reward model (the sequences it scored). transformers'
+    add_bos_token / add_eos_token set its post-processor and are saved with it; a tokenizer that already
+    encodes so is left untouched."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(directory))
+    want = ([tok.bos_token_id] if tok.bos_token_id is not None else [], [tok.eos_token_id] if score else [])
+    if not tok.is_fast or _specials_added(tok) == want:
+        return
+    tok.add_bos_token, tok.add_eos_token = bool(want[0]), score
+    tok.save_pretrained(str(directory))
+    if _specials_added(AutoTokenizer.from_pretrained(str(directory))) != want:
+        raise ConfigError(f"the tokenizer exported to {directory} does not add {want} around a text as training did; "
+                          f"report this with its tokenizer_config.json.")
+
+
+def _specials_added(tok) -> tuple[list[int], list[int]]:
+    """The ids a tokenizer puts before and after a text's own."""
+    full, plain = tok("12")["input_ids"], tok("12", add_special_tokens=False)["input_ids"]
+    start = next(i for i in range(len(full)) if full[i:i + len(plain)] == plain)
+    return full[:start], full[start + len(plain):]
 
 
 class _DtypeWriter:

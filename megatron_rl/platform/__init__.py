@@ -215,20 +215,45 @@ _preempted = []  # the signals this process got
 
 def watch_preemption():
     """From now on SIGTERM and SIGUSR1 do not kill this process: they ask the run to stop after its
-    current step (preemption_requested), save and exit 0, so that a requeued job resumes."""
+    current step (preemption_requested), save and exit 0, so that a requeued job resumes. Ctrl-C
+    (SIGINT) asks the same, saying so, and the run exits 130 once saved; a second Ctrl-C stops at once
+    (exit 130, nothing saved). torchrun forwards the terminal's SIGINT to ranks that got it already:
+    one within a second of the first is the same keystroke."""
     import signal
+    import time
 
     main = os.getpid()
 
     def handler(signum, _frame):
-        if os.getpid() != main:  # a forked child (a reward worker, which Pool.terminate ends by SIGTERM): die
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+        if os.getpid() != main:  # a forked child (a reward worker, which Pool.terminate ends by SIGTERM): die;
+            if signum != signal.SIGINT:  # the terminal's Ctrl-C reaches it too, and is its parent's to handle
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
             return
+        if signum == signal.SIGINT:
+            if _interrupts and time.monotonic() - _interrupts[-1] > 1.0:
+                _say("\ninterrupted again: stopping now, without saving")
+                os._exit(130)
+            if not _interrupts:
+                _say("\ninterrupted: stopping after this step and saving a checkpoint (Ctrl-C again stops at once)")
+            _interrupts.append(time.monotonic())
         _preempted.append(signum)
 
-    for name in PREEMPTION_SIGNALS:
+    for name in (*PREEMPTION_SIGNALS, "SIGINT"):
         signal.signal(getattr(signal, name), handler)
+
+
+_interrupts = []  # when this process got SIGINT
+
+
+def interrupted() -> bool:
+    """Whether Ctrl-C (SIGINT) stopped this run (it exits 130)."""
+    return bool(_interrupts)
+
+
+def _say(line: str):
+    if os.environ.get("RANK", "0") == "0":
+        os.write(2, (line + "\n").encode())  # a signal handler: no buffered stream, which may be mid-write
 
 
 def tie_process_lifetimes():

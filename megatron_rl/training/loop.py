@@ -83,8 +83,8 @@ def save_if_due(cfg: Config, trainee, run_dir: Path, step: int, last: bool, data
         checkpointing.save(trainee, run_dir, step, {"data": data_state}, cfg.checkpoint.keep, model=cfg.model,
                            assets=assets, verify=cfg.checkpoint.verify, lora=cfg.lora)
     if preempted:
-        log.write(f"preempted: stopped after step {step}" + (", saved a checkpoint; resume with "
-                                                              "checkpoint.resume=auto" if cfg.checkpoint.save else ""))
+        log.write(f"{'interrupted' if platform.interrupted() else 'preempted'}: stopped after step {step}" + (
+            ", saved a checkpoint; resume with checkpoint.resume=auto" if cfg.checkpoint.save else ""))
     return preempted
 
 
