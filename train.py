@@ -26,7 +26,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_rl.config import ConfigError, apply_overrides
-    from recipes import get_recipe, recipes_by_family
+    from recipes import check_needs, get_recipe, recipes_by_family
 
     if args.list_recipes:
         import textwrap
@@ -48,6 +48,8 @@ def main(argv=None) -> int:
         return 2
     try:
         cfg = apply_overrides(get_recipe(args.recipe), args.overrides)
+        if not args.print_config:
+            check_needs(cfg)  # hf_sft: model.hf_path
         for line in cfg.logging.take_environment(os.environ):  # W&B's own variables fill what the config leaves empty
             if launch.rank == 0:
                 print(line, file=sys.stderr)

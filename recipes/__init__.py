@@ -13,14 +13,16 @@ from megatron_rl.config import Config, ConfigError
 
 _REGISTRY: dict[str, Callable[[], Config]] = {}
 _GPU: dict[str, str] = {}
+_NEEDS: dict[str, tuple[str, ...]] = {}
 
 
-def register(fn: Callable[[], Config] | None = None, *, gpu: str = "h100"):
-    """Decorator, bare or with the GPU the recipe's layout is made for: the function's name is the
-    recipe's name."""
+def register(fn: Callable[[], Config] | None = None, *, gpu: str = "h100", needs: tuple[str, ...] = ()):
+    """Decorator, bare or with the GPU the recipe's layout is made for and the keys a run must set
+    (`needs`, e.g. model.hf_path): the function's name is the recipe's name."""
     def add(fn):
         _REGISTRY[fn.__name__] = fn
         _GPU[fn.__name__] = gpu
+        _NEEDS[fn.__name__] = needs
         return fn
 
     return add(fn) if fn is not None else add
@@ -31,7 +33,7 @@ def _load_all():
         importlib.import_module(f"{__name__}.{mod.name}")
 
 
-FAMILIES = ("tiny", "llama", "qwen", "mixtral", "deepseek", "nemotron")
+FAMILIES = ("tiny", "hf", "llama", "qwen", "mixtral", "deepseek", "nemotron")
 """The order --list-recipes shows the families in (any other module after them)."""
 
 
@@ -55,6 +57,15 @@ def recipe_gpu(name: str) -> str:
     """The GPU a recipe's layout is made for (h100 unless it says otherwise)."""
     _load_all()
     return _GPU.get(name, "h100")
+
+
+def check_needs(cfg: Config):
+    """A run of a recipe that needs keys set (hf_sft: model.hf_path) is refused in one sentence without them."""
+    for key in _NEEDS.get(cfg.recipe, ()):
+        section, name = key.split(".")
+        if not getattr(getattr(cfg, section), name):
+            raise ConfigError(f"recipe {cfg.recipe} needs {key}: add {key}=... to the command line "
+                              f"(--print-config shows the recipe without it).")
 
 
 def get_recipe(name: str) -> Config:

@@ -178,16 +178,19 @@ def test_cli_print_config_and_list():
     assert "  tiny_sft " in run_train(["--list-recipes"]).stdout
 
 
-def test_every_recipe_prints_from_one_process(monkeypatch, capsys):
+def test_every_recipe_prints_from_one_process(monkeypatch, capsys, tmp_path):
     """--print-config of a cluster recipe on a laptop: checked against the recipe's own layout, not the
-    one process it was started as (nemotron_grpo at tp=2 was refused)."""
+    one process it was started as (nemotron_grpo at tp=2 was refused); a recipe for any HF model with one."""
     import train
     from recipes import recipes_by_family
+    from tests.hf_models import save_tiny_model
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(var, raising=False)
+    hf = save_tiny_model("llama", tmp_path / "llama")
     for name in (n for recipes in recipes_by_family().values() for n in recipes):
-        assert train.main(["--recipe", name, "--print-config"]) == 0, (name, capsys.readouterr().err)
+        model = [f"model.hf_path={hf}"] if name.startswith("hf_") else []
+        assert train.main(["--recipe", name, "--print-config", *model]) == 0, (name, capsys.readouterr().err)
         assert json.loads(capsys.readouterr().out)["recipe"] == name
 
 

@@ -75,7 +75,7 @@ def test_every_large_recipe_fits_its_gpus_as_its_docstring_says():
     the model sizes are the published ones, and each docstring's 'fits, X of Y GB' is the planner's."""
     from recipes import get_recipe, list_recipes
 
-    assert set(LARGE) == {name for name in list_recipes() if not name.startswith("tiny_")}
+    assert set(LARGE) == {name for name in list_recipes() if not name.startswith(("tiny_", "hf_"))}
     proc = _plan(*(arg for name in LARGE for arg in ("--recipe", name)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     reports = dict(re.findall(r"recipe (\w+): (.*?)(?=\nrecipe |\Z)", proc.stdout, re.S))
@@ -121,7 +121,7 @@ def test_hardware_variants_choose_their_fp8():
 def test_list_recipes_groups_by_family():
     out = run_train(["--list-recipes"]).stdout
     families = re.findall(r"^(\w+):$", out, re.M)
-    assert families == ["tiny", "llama", "qwen", "mixtral", "deepseek", "nemotron"]
+    assert families == ["tiny", "hf", "llama", "qwen", "mixtral", "deepseek", "nemotron"]
     sections = dict(zip(families, re.split(r"^\w+:$", out, flags=re.M)[1:]))
     for family, text in sections.items():
         names = re.findall(r"^  (\w+)\s", text, re.M)
@@ -138,3 +138,29 @@ def test_real_model_recipe_without_a_checkpoint_is_one_sentence(tmp_path):
         "error: data.train_path needs the model's tokenizer: set model.hf_path (a Hugging Face checkpoint, whose "
         "tokenizer is used) or data.tokenizer."]
     assert not (tmp_path / "run").exists()
+
+
+def test_hf_recipes_train_any_hf_model_with_real_settings(tmp_path):
+    """hf_sft and hf_grpo on a Hugging Face Llama: every core (train.threads=0) and packing, GRPO with token-mean
+    loss, clip-higher, no KL and truncated importance weights; the recipe's 512-token sequences shortened to
+    the model's 128 positions with a line saying so; without model.hf_path, one sentence."""
+    from tests.hf_models import save_tiny_model
+
+    hf = save_tiny_model("llama", tmp_path / "llama")
+    quiet = ["logging.progress=false", "logging.tensorboard=false", "data.num_train=256", "data.num_val=16"]
+    proc = run_train(["--recipe", "hf_sft", f"model.hf_path={hf}", "train.max_steps=2", "train.eval_every=2", *quiet,
+                      f"logging.run_dir={tmp_path / 'sft'}", "checkpoint.export_hf=true"])
+    assert "data.seq_length=112 (the recipe's 512): the model takes at most 128 positions" in proc.stderr
+    saved = json.loads((tmp_path / "sft" / "config.json").read_text())
+    assert saved["train"]["threads"] == 0 and saved["data"]["max_tokens_per_microbatch"] == 8 * 112
+    run_train(["--recipe", "hf_grpo", f"model.hf_path={tmp_path / 'sft' / 'hf'}", "train.max_steps=1", *quiet,
+               "algorithm.prompts_per_step=4", "rollout.n=4", "algorithm.minibatches=2", "data.micro_batch_size=2",
+               "rollout.max_new_tokens=6", f"logging.run_dir={tmp_path / 'grpo'}", "checkpoint.save=false"])
+    a = json.loads((tmp_path / "grpo" / "config.json").read_text())["algorithm"]
+    assert (a["loss_aggregation"], a["clip_high"], a["kl_coef"], a["mismatch_correction"]) == (
+        "token", 0.28, 0.0, "token_truncate")
+    assert "rollout/logprob_mismatch_max" in json.loads((tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()[-1])
+    proc = run_train(["--recipe", "hf_dpo", f"logging.run_dir={tmp_path / 'none'}"], check=False)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "error: recipe hf_dpo needs model.hf_path: add model.hf_path=... to the command line (--print-config shows "
+        "the recipe without it).")

@@ -54,6 +54,14 @@ class Config:
             notes.append(f"rollout.block_size_tokens=64 (the recipe's {self.rollout.block_size_tokens}): megatron-core's "
                          f"latent KV cache, which multi-latent attention rolls out from, takes 64-token blocks")
             self.rollout.block_size_tokens = 64
+        limit, d, r = self.model.max_position_embeddings, self.data, self.rollout
+        if d.seq_length >= limit and not chosen & {"data.seq_length", "rollout.max_sequence_length"}:
+            seq = (limit - 1) // 16 * 16
+            notes.append(f"data.seq_length={seq} (the recipe's {d.seq_length}): the model takes at most {limit} "
+                         f"positions; rollouts and packing shortened with it")
+            d.seq_length, r.max_sequence_length = seq, min(r.max_sequence_length, seq + 1)
+            r.max_new_tokens = min(r.max_new_tokens, seq // 2)
+            d.max_tokens_per_microbatch = min(d.max_tokens_per_microbatch, 8 * seq)
         return notes
 
     def validate(self, world_size: int = 1):
