@@ -27,7 +27,7 @@ def _hf(name: str, lr: float, **sections) -> Config:
                   optimizer=OptimizerConfig(lr=lr, min_lr=lr / 10, weight_decay=0.01, clip_grad=1.0),
                   scheduler=SchedulerConfig(warmup_steps=10, decay="cosine"),
                   train=TrainConfig(max_steps=500, eval_every=50, threads=0),
-                  checkpoint=CheckpointConfig(save_every=100), **sections)
+                  checkpoint=CheckpointConfig(save_every=100, export_hf=True), **sections)
 
 
 @register(needs=("model.hf_path",))

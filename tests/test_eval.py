@@ -68,6 +68,7 @@ def test_eval_tool_greedy_accuracy_equals_grpo_validation(sft_run, tmp_path):
     assert "maj@4" in result and set(result["versions"]) >= {"torch", "megatron-core", "transformers"}
     lines = [json.loads(x) for x in samples.read_text().splitlines()]
     assert len(lines) == 64 * (1 + 4)
+    assert all(x["reward"] == float(x["extracted_answer"] == x["reference"]) for x in lines)  # named for what they are
     mean = sum(x["reward"] for x in lines if not x["greedy"]) / (64 * 4)
     assert mean == pytest.approx(result["reward_mean"])
     assert "greedy_accuracy" in proc.stdout and "pass@4" in proc.stdout

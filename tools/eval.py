@@ -60,7 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--ep", type=int, default=1, help="expert parallel size")
     p.add_argument("--threads", type=int, default=0, help="CPU threads per process (0: torch's default)")
     p.add_argument("--out", help="write the results JSON here")
-    p.add_argument("--samples", help="write every sample (prompt, completion, reward, answer) here as JSONL")
+    p.add_argument("--samples", help="write every sample (prompt, completion, reward, the answer extracted from the "
+                   "completion, the row's reference answer) here as JSONL")
     return p.parse_args(argv)
 
 
@@ -240,7 +241,7 @@ def evaluate(args) -> dict:
     if dist.get_rank() == 0 and args.samples:
         write_atomically(Path(args.samples), "".join(
             json.dumps({"prompt_index": i, "sample": j, "prompt": rows[i]["prompt"], "completion": c, "reward": rw,
-                        "answer": a, "greedy": name == "greedy"}) + "\n"
+                        "extracted_answer": a, "reference": rows[i].get("answer"), "greedy": name == "greedy"}) + "\n"
             for name in results for i, p in enumerate(results[name]) for j, (c, rw, a) in enumerate(p)))
     return out
 

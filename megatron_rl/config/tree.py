@@ -61,6 +61,7 @@ class Config:
                          f"positions; rollouts and packing shortened with it")
             d.seq_length, r.max_sequence_length = seq, min(r.max_sequence_length, seq + 1)
             r.max_new_tokens = min(r.max_new_tokens, seq // 2)
+            self.rewards.overlong_buffer = min(self.rewards.overlong_buffer, r.max_new_tokens // 4)
             d.max_tokens_per_microbatch = min(d.max_tokens_per_microbatch, 8 * seq)
         return notes
 
