@@ -116,7 +116,7 @@ def test_tiny_sft_learns(sft_run):
     rows = metrics(sft_run)
     first, last = rows[0], rows[-1]
     assert last["step"] == 2000 and last["train/loss"] < 0.6 * first["train/loss"]
-    assert last["val/accuracy"] > 0.25  # 50-66% measured (one thread, 3 seeds); chance is ~1/199 for 2-digit sums
+    assert last["val/accuracy"] > 0.25  # 35-74% measured (one thread, 3 seeds); chance is ~1/199 for 2-digit sums
     assert (sft_run / "checkpoints").is_dir() and (sft_run / "config.json").is_file()
     assert (sft_run / "hf_assets" / "tokenizer.json").is_file()
     for key in ("train/lr", "perf/step_time_s", "perf/tokens_per_s", "val/loss"):
