@@ -23,10 +23,48 @@ def parse_args(argv=None):
     return p.parse_intermixed_args(argv)  # overrides before or after the flags
 
 
+def resolve_config(args, launch):
+    """The run's Config: the recipe, the overrides, W&B's environment variables, the HF checkpoint's
+    architecture and what the model needs, validated; the lines saying what was taken go to stderr."""
+    from megatron_rl.config import apply_overrides
+    from recipes import check_needs, get_recipe
+
+    cfg = apply_overrides(get_recipe(args.recipe), args.overrides)
+    if not args.print_config:
+        check_needs(cfg)  # hf_sft: model.hf_path
+    notes = cfg.logging.take_environment(os.environ)  # W&B's own variables fill what the config leaves empty
+    if cfg.model.hf_path:  # the HF checkpoint's config.json sets the architecture
+        from megatron_rl.hf import resolve_model
+
+        cfg.model = resolve_model(cfg.model)
+    notes += cfg.fit_to_model({item.split("=", 1)[0] for item in args.overrides})
+    if launch.rank == 0:
+        for line in notes:
+            print(line, file=sys.stderr)
+    # a recipe printed from one process is checked against its own layout (a cluster recipe can be read on a
+    # laptop); a run is checked against the processes launched
+    single_print = args.print_config and launch.world_size == 1
+    return cfg.validate(world_size=cfg.parallel.recipe_world_size() if single_print else launch.world_size)
+
+
+def check_launch(cfg, run_dir: Path):
+    """What only a run needs: the device supports the settings, the run directory holds this run (or
+    none), and W&B can log in."""
+    from megatron_rl.checkpointing import check_same_run
+    from megatron_rl.platform.support import check_support
+
+    check_support(cfg)
+    check_same_run(run_dir, cfg)
+    if cfg.logging.wandb_project:
+        from megatron_rl.logging import check_wandb_login
+
+        check_wandb_login(cfg.logging.wandb_mode)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from megatron_rl.config import ConfigError, apply_overrides
-    from recipes import check_needs, get_recipe, recipes_by_family
+    from megatron_rl.config import ConfigError
+    from recipes import recipes_by_family
 
     if args.list_recipes:
         import textwrap
@@ -47,34 +85,10 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        cfg = apply_overrides(get_recipe(args.recipe), args.overrides)
-        if not args.print_config:
-            check_needs(cfg)  # hf_sft: model.hf_path
-        for line in cfg.logging.take_environment(os.environ):  # W&B's own variables fill what the config leaves empty
-            if launch.rank == 0:
-                print(line, file=sys.stderr)
-        if cfg.model.hf_path:  # the HF checkpoint's config.json sets the architecture
-            from megatron_rl.hf import resolve_model
-
-            cfg.model = resolve_model(cfg.model)
-        for line in cfg.fit_to_model({item.split("=", 1)[0] for item in args.overrides}):
-            if launch.rank == 0:
-                print(line, file=sys.stderr)
-        # a recipe printed from one process is checked against its own layout (a cluster recipe can be read on a
-        # laptop); a run is checked against the processes launched
-        single_print = args.print_config and launch.world_size == 1
-        cfg.validate(world_size=cfg.parallel.recipe_world_size() if single_print else launch.world_size)
+        cfg = resolve_config(args, launch)
         run_dir = Path(cfg.logging.run_dir or f"runs/{cfg.recipe}")
         if not args.print_config:
-            from megatron_rl.checkpointing import check_same_run
-            from megatron_rl.platform.support import check_support
-
-            check_support(cfg)
-            check_same_run(run_dir, cfg)
-            if cfg.logging.wandb_project:
-                from megatron_rl.logging import check_wandb_login
-
-                check_wandb_login(cfg.logging.wandb_mode)
+            check_launch(cfg, run_dir)
     except ConfigError as e:
         if launch.rank == 0:
             print(f"error: {e}", file=sys.stderr)
