@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from dataclasses import dataclass, field
 
 from .algorithm import AlgorithmConfig
@@ -21,6 +22,9 @@ from .sandbox import SandboxConfig
 from .train import FP8Config, TrainConfig
 
 
+MLA_BLOCK_TOKENS = 64
+MLA_BLOCKS = (f"megatron-core's latent KV cache, which multi-latent attention rolls out from, takes "
+              f"{MLA_BLOCK_TOKENS}-token blocks")  # why a model with MLA needs them, said where taken and refused
 ON_POLICY = ("grpo", "distill", "ppo")  # loops that roll out algorithm.prompts_per_step x rollout.n samples per step
 
 
@@ -49,11 +53,11 @@ class Config:
         """Settings the model needs, taken where the user did not choose them (`chosen`: the keys set on the
         command line) but the recipe did; one line for each. A choice the user made is checked by validate."""
         notes = []
-        if (self.model.multi_latent_attention and self.rollout.block_size_tokens != 64
+        if (self.model.multi_latent_attention and self.rollout.block_size_tokens != MLA_BLOCK_TOKENS
                 and "rollout.block_size_tokens" not in chosen):
-            notes.append(f"rollout.block_size_tokens=64 (the recipe's {self.rollout.block_size_tokens}): megatron-core's "
-                         f"latent KV cache, which multi-latent attention rolls out from, takes 64-token blocks")
-            self.rollout.block_size_tokens = 64
+            notes.append(f"rollout.block_size_tokens={MLA_BLOCK_TOKENS} (the recipe's {self.rollout.block_size_tokens}): "
+                         f"{MLA_BLOCKS}")
+            self.rollout.block_size_tokens = MLA_BLOCK_TOKENS
         limit, d, r = self.model.max_position_embeddings, self.data, self.rollout
         if d.seq_length >= limit and not chosen & {"data.seq_length", "rollout.max_sequence_length"}:
             seq = (limit - 1) // 16 * 16
@@ -105,9 +109,9 @@ class Config:
         return self
 
     def _validate_wandb(self):
-        g = self.logging
-        for name, choices in (("wandb_mode", ("", "online", "offline", "disabled")),
-                              ("wandb_resume", ("", "allow", "must", "never", "auto"))):
+        g, hints = self.logging, typing.get_type_hints(LoggingConfig)
+        for name in ("wandb_mode", "wandb_resume"):
+            choices = typing.get_args(hints[name])  # the field's Literal, "" (unset) first
             if getattr(g, name) not in choices:  # it came from W&B's environment variable
                 raise ConfigError(f"logging.{name}={getattr(g, name)!r} is not one of {', '.join(choices[1:])}; fix "
                                   f"${name.upper()} or set logging.{name}.")
@@ -149,10 +153,9 @@ class Config:
         if self.model.hybrid_pattern and self.parallel.cp > 1:
             raise ConfigError("a hybrid model's rollouts need parallel.cp=1 (megatron-core's Mamba decode has no "
                               "context parallelism); train it at cp=1, or use context parallelism for SFT only.")
-        if self.model.multi_latent_attention and r.block_size_tokens != 64:
-            raise ConfigError(f"rollout.block_size_tokens={r.block_size_tokens}: megatron-core's latent KV cache, which "
-                              "multi-latent attention rolls out from, takes 64-token blocks; set "
-                              "rollout.block_size_tokens=64.")
+        if self.model.multi_latent_attention and r.block_size_tokens != MLA_BLOCK_TOKENS:
+            raise ConfigError(f"rollout.block_size_tokens={r.block_size_tokens}: {MLA_BLOCKS}; set "
+                              f"rollout.block_size_tokens={MLA_BLOCK_TOKENS}.")
         if a.router_replay and not self.model.num_experts:
             raise ConfigError("algorithm.router_replay=true needs an MoE model (model.num_experts > 0).")
         if self.parallel.cp > 1 and (a.ratio_level == "sequence" or a.mismatch_correction.startswith("sequence")):

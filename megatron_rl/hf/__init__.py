@@ -168,7 +168,7 @@ def export_hf(model_chunks: list, model: ModelConfig, out: str | Path, assets: s
                 copy_assets(assets, tmp)
                 (tmp / DTYPE_FILE).unlink(missing_ok=True)
                 if tok is not None:
-                    encode_as_trained(tmp, score=model.head == "score")
+                    encode_as_trained(tok, tmp, score=model.head == "score")
             hf_config["dtype"] = _dtype_name(dtype)
             hf_config.pop("torch_dtype", None)
             (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
@@ -185,15 +185,14 @@ def export_hf(model_chunks: list, model: ModelConfig, out: str | Path, assets: s
     return out
 
 
-def encode_as_trained(directory: Path, score: bool):
-    """Make the tokenizer in `directory` encode as training did, so that a transformers or TRL user's plain
+def encode_as_trained(tok, directory: Path, score: bool):
+    """Make the tokenizer `tok`, copied into `directory`, encode as training did, so that a transformers or TRL user's plain
     `tokenizer(text)` gives what the model saw: [bos] text for a language model (its prompts; bos where
     the tokenizer has one) and [bos] text [eos] for a reward model (the sequences it scored). transformers'
     add_bos_token / add_eos_token set its post-processor and are saved with it; a tokenizer that already
     encodes so is left untouched."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(directory))
     want = ([tok.bos_token_id] if tok.bos_token_id is not None else [], [tok.eos_token_id] if score else [])
     if not tok.is_fast or _specials_added(tok) == want:
         return
