@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from model_providers.builder import is_adapter, unwrap
+
 MARKER = "complete"  # JSON: {"step": N, "files": {relative path: bytes}, "sha256": {...} with verify=full}
 LATEST = "latest"  # checkpoints/latest: the name of the newest checkpoint
 ASSETS = "hf"  # HF files kept with a checkpoint: tokenizer, HF config (see megatron_rl/hf)
@@ -132,17 +134,8 @@ def _publish(tmp: Path, path: Path, step: int, verify: str):
 def _model_state(model: list, adapters_only: bool = False) -> dict:
     # Dict paths are local names; dist_checkpointing matches shards by their global keys,
     # so chunks from any virtual-pipeline layout land in the right place.
-    from megatron_rl.training.lora import is_adapter
-
     return {f"chunk{i}": {k: v for k, v in unwrap(chunk).sharded_state_dict().items()
                           if is_adapter(k) or not adapters_only} for i, chunk in enumerate(model)}
-
-
-def unwrap(chunk):
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 def _layout() -> tuple[int, ...]:
@@ -446,8 +439,6 @@ def load_weights(model_chunks: list, path: str | Path, head: str = "lm", lora=No
         shown = " ".join(f"lora.{k}={','.join(v) if isinstance(v, list) else v}" for k, v in saved_adapters.items())
         raise ValueError(f"checkpoint {str(path)!r} holds LoRA adapters: continue from it with {shown} (its adapters "
                          f"are merged into the base first).")
-
-    from megatron_rl.training.lora import is_adapter
 
     def kept(k):  # a LoRA checkpoint holds its adapters alone (the caller loaded its base); a fresh score
         # head, and adapters the checkpoint does not have, keep their values

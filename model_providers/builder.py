@@ -16,6 +16,19 @@ VOCAB_MULTIPLE = 128
 reshard between layouts (TP must divide it)."""
 
 
+def unwrap(chunk):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter's name is a LoRA adapter's: megatron_rl/training/lora.py adds a layer's adapters as
+    its sibling module `<layer>_lora`."""
+    return "_lora." in name
+
+
 def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
     return -(-vocab_size // multiple) * multiple
 

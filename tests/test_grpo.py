@@ -199,7 +199,7 @@ def _flaky_reward(prompt, completion, metadata):
 def test_reward_that_raises_hangs_or_is_not_a_number_is_isolated():
     """A sample whose reward function raises, hangs, or returns NaN, inf, None or a string (also as a
     component) is a counted failure with reward 0, never a NaN advantage; the others are scored."""
-    from megatron_rl.rewards import RewardRunner
+    from megatron_rl.environments.rewards import RewardRunner
 
     runner = RewardRunner("tests.test_grpo:_flaky_reward", timeout=1.0)
     kinds = ["ok", "raise", "ok", "hang", "ok", *BAD_RETURNS]
@@ -220,7 +220,7 @@ def test_reward_that_raises_hangs_or_is_not_a_number_is_isolated():
 
 
 def test_builtin_rewards():
-    from megatron_rl.rewards import load_reward
+    from megatron_rl.environments import load_reward
 
     exact, math = load_reward("exact_match"), load_reward("math")
     assert exact("1+2=", " 3", {"answer": "3"}) == 1.0 and exact("1+2=", "4", {"answer": "3"}) == 0.0

@@ -9,6 +9,7 @@ import torch
 from megatron_rl.checkpointing import checkpoint_dir
 from megatron_rl.config import Config, ConfigError
 from megatron_rl.training.lora import adapters_off as lora_off
+from model_providers.builder import is_adapter
 from tests.helpers import column, metrics, processes, run_recipes, run_tool, run_train
 
 pytestmark = [pytest.mark.xdist_group("lora"),  # the end-to-end tests share one module fixture
@@ -50,7 +51,7 @@ def test_adapters_add_their_low_rank_update_and_switch_off(one_process):
     cfg, chunks = _lora_model()
     model = chunks[0]
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert trainable and all(lora.is_adapter(n) for n in trainable)
+    assert trainable and all(is_adapter(n) for n in trainable)
     base = _logprobs(cfg, chunks)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():

@@ -212,7 +212,7 @@ def test_misused_checkpoints_are_one_line_errors(single, tmp_path):
     directory left behind; a reward model as GRPO's policy and a language model as rewards.model are
     refused the same way (the functions train.py reports from)."""
     from megatron_rl.checkpointing import load_weights, resolve
-    from megatron_rl.rewards.reward_model import RewardModel
+    from megatron_rl.environments.reward_model import RewardModel
 
     root, load, _ = single
     bad = tmp_path / "bad.jsonl"

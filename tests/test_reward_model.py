@@ -135,7 +135,7 @@ def test_causal_lm_starts_a_reward_model_and_not_the_reverse(one_process, tmp_pa
 def test_reward_model_scores_the_policy_ids_or_re_tokenizes(tmp_path):
     """GRPO's reward model scores [bos] prompt completion [eos] as it was trained: the policy's ids
     when the tokenizers are the same (a generated eos is not doubled), else the text re-tokenized."""
-    from megatron_rl.rewards.reward_model import RewardModel, same_tokenizer
+    from megatron_rl.environments.reward_model import RewardModel, same_tokenizer
     from tests.hf_models import make_tokenizer
 
     tok = make_tokenizer(tmp_path / "a")

@@ -136,14 +136,14 @@ def generate_all(engine, scorer, tokenizer, prompts, metadata, n, seed, batch, g
     with a multi-turn environment, episodes (the text holds the environment's observations too, the
     answer is the one the environment extracted)."""
     from megatron_rl.rollout.episodes import generate_scored
-    from megatron_rl.rollout.evaluate import decode
+    from megatron_rl.data.tokenizer import decode_texts
 
     out = []
     for b in range(0, len(prompts), batch):
         ids, meta = prompts[b:b + batch], metadata[b:b + batch]
         rollout, scores, answers, _ = generate_scored(engine, scorer, tokenizer, ids, meta, n, seed + 1000003 * (b // batch),
                                                       cfg, cfg.rollout.max_sequence_length, greedy=greedy)
-        completions, rewards = decode(tokenizer, rollout.completions), scores.rewards
+        completions, rewards = decode_texts(tokenizer, rollout.completions), scores.rewards
         answers = answers or [answer(c) for c in completions]
         for i in range(len(ids)):
             span = slice(i * n, (i + 1) * n)
@@ -174,7 +174,7 @@ def evaluate(args) -> dict:
     from megatron_rl.data.rl import encode_prompts
     from megatron_rl.data.sft import read_jsonl, report_skipped
     from megatron_rl.data.tokenizer import load_tokenizer
-    from megatron_rl.rewards import build_scorer
+    from megatron_rl.environments.rewards import build_scorer
     from megatron_rl.rollout.engine import RolloutEngine
     from megatron_rl.rollout.episodes import check_observation_format
     from megatron_rl.rollout.evaluate import maj_at_k, pass_at_k

@@ -31,7 +31,7 @@ from megatron_rl.config import Config, ConfigError
 from megatron_rl.data import rl as rl_data
 from megatron_rl.data.alignment import chunk_sums
 from megatron_rl.data.sft import Batches
-from megatron_rl.rewards import build_scorer
+from megatron_rl.environments.rewards import build_scorer
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.evaluate import greedy_eval
 from megatron_rl.training.logprobs import logprobs_at, mask_padded_vocab, token_logprobs, vocab_topk
@@ -158,12 +158,12 @@ class CrossTokenizer:
 
     def batch(self, rollout) -> dict:
         from megatron_rl.data.alignment import cross_batches
-        from megatron_rl.rollout.evaluate import decode
+        from megatron_rl.data.tokenizer import decode_texts
 
         eos = self.tokenizer.eos_token_id
         ended = [bool(c) and c[-1] == eos for c in rollout.completions]
-        responses = decode(self.tokenizer, rollout.completions)
-        student, teacher = cross_batches(decode(self.tokenizer, rollout.prompts), responses, ended, rollout.prompts,
+        responses = decode_texts(self.tokenizer, rollout.completions)
+        student, teacher = cross_batches(decode_texts(self.tokenizer, rollout.prompts), responses, ended, rollout.prompts,
                                          self.tokenizer, self.teacher_tokenizer, self.cfg.data.seq_length,
                                          self.multiple)
         teacher["index"] = torch.arange(len(responses))

@@ -159,7 +159,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
         built.clear()
     engine = scorer = None
     if data.val_prompts:  # greedy val/accuracy, as SFT and GRPO report it
-        from megatron_rl.rewards import build_scorer
+        from megatron_rl.environments.rewards import build_scorer
         from megatron_rl.rollout.engine import RolloutEngine
         from megatron_rl.training.setup import compute_dtype
 

@@ -26,7 +26,7 @@ from megatron_rl import losses, platform
 from megatron_rl.config import Config, ConfigError
 from megatron_rl.data import rl as rl_data
 from megatron_rl.data.sft import Batches
-from megatron_rl.rewards import build_scorer
+from megatron_rl.environments.rewards import build_scorer
 from megatron_rl.rollout.engine import Rollout, RolloutEngine
 from megatron_rl.rollout.episodes import budget_of, check_observation_format, generate_scored
 from megatron_rl.rollout.evaluate import greedy_eval

@@ -67,7 +67,7 @@ class RolloutConfig:
 @dataclass(kw_only=True)
 class RewardsConfig:
     fn: str = "exact_match"
-    """'exact_match', 'math' (math-verify) or 'package.module:function' (see megatron_rl/rewards)."""
+    """'exact_match', 'math' (math-verify) or 'package.module:function' (see megatron_rl/environments/rewards.py)."""
     timeout_s: float = 10.0
     """A sample whose scoring takes longer gets reward 0 (counted in rollout/reward_failures)."""
     workers: int = 1

@@ -255,11 +255,3 @@ class Config:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
-
-def section_of(obj) -> str:
-    """The section name under which `obj`'s class sits in Config ('optimizer' for OptimizerConfig)."""
-    return _SECTION_OF.get(type(obj).__name__, type(obj).__name__)
-
-
-_SECTION_OF = {f.type if isinstance(f.type, str) else f.type.__name__: f.name
-               for f in dataclasses.fields(Config) if f.name != "recipe"}

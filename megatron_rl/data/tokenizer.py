@@ -82,3 +82,8 @@ def tokenizer_difference(a, b) -> str | None:
     if a.all_special_ids != b.all_special_ids:
         return f"special tokens {b.all_special_tokens} against {a.all_special_tokens}"
     return None
+
+
+def decode_texts(tokenizer, ids: list[list[int]]) -> list[str]:
+    """Each list of token ids as text, special tokens left out."""
+    return [tokenizer.decode(x, skip_special_tokens=True) for x in ids]

@@ -39,6 +39,16 @@ class Turn:
     metadata: dict | None = None  # the episode's metadata from now on (None: unchanged)
 
 
+@dataclass
+class Scores:
+    """A batch's rewards: the total per sample and, for named components, each component per sample."""
+
+    rewards: list[float]
+    components: dict[str, list[float]] = field(default_factory=dict)
+    failures: int = 0  # samples whose scoring raised or timed out (reward 0)
+    errors: list[str] = field(default_factory=list)  # a few of their messages
+
+
 class Environment:
     """Subclass it and implement step_one (one episode; EnvRunner gives each its own time limit and
     process), or step for the whole batch at once (then batched = True: called in the training
@@ -78,7 +88,7 @@ class RewardEnvironment(Environment):
 
 def load_reward(spec: str):
     """The reward function named by a built-in name or 'package.module:function'."""
-    from megatron_rl.rewards.builtin import BUILTIN
+    from megatron_rl.environments.builtin import BUILTIN
 
     if spec in BUILTIN:
         return BUILTIN[spec]
@@ -110,7 +120,7 @@ def _load_dotted(spec: str):
 
 
 def builtin_names() -> list[str]:
-    from megatron_rl.rewards.builtin import BUILTIN
+    from megatron_rl.environments.builtin import BUILTIN
 
     return [*BUILTIN, *ENVIRONMENTS]
 
@@ -123,7 +133,7 @@ ENVIRONMENTS = {"code": "megatron_rl.environments.code:CodeEnvironment",
 def load_environment(spec: str, cfg=None) -> Environment:
     """The environment rewards.fn names: a built-in environment or reward function, or a dotted path
     to an Environment subclass (built as cls(cfg)) or a reward function."""
-    from megatron_rl.rewards.builtin import BUILTIN
+    from megatron_rl.environments.builtin import BUILTIN
 
     if spec in BUILTIN:
         return RewardEnvironment(BUILTIN[spec])

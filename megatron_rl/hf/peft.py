@@ -26,7 +26,7 @@ def _slices(model_chunks: list, model: ModelConfig):
     from model_providers import get_family
     from model_providers.mapping import rules_for
 
-    from megatron_rl.checkpointing import unwrap
+    from model_providers.builder import unwrap
     from megatron_rl.hf.weights import canonical
     from megatron_rl.training.lora import Adapters
 

@@ -90,8 +90,7 @@ def _parts(name: str, tensor: torch.Tensor, model: ModelConfig, size: int) -> tu
 def local_tensors(chunk) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers of one GPTModel chunk by local name (the base model's: LoRA
     adapters are not part of the HF checkpoint)."""
-    from megatron_rl.checkpointing import unwrap
-    from megatron_rl.training.lora import is_adapter
+    from model_providers.builder import is_adapter, unwrap
 
     return {k: v for k, v in unwrap(chunk).state_dict(keep_vars=True).items()
             if isinstance(v, torch.Tensor) and not k.endswith("_extra_state") and not is_adapter(k)}
@@ -101,7 +100,7 @@ def canonical(name: str, tensor: torch.Tensor, chunk, model: ModelConfig) -> tup
     """A local tensor's canonical name and placement."""
     from megatron.core import parallel_state as ps
 
-    from megatron_rl.checkpointing import unwrap
+    from model_providers.builder import unwrap
 
     m = _LAYER.match(name)
     expert = False

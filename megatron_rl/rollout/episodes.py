@@ -59,8 +59,8 @@ def generate_scored(engine, scorer, tokenizer, prompts: list[list[int]], metadat
     or model; or, with a multi-turn environment (cfg says so; without cfg, single-turn), episodes of at
     most `budget` tokens. Returns (rollout, scores, the environment's answers (None for single-turn
     samples), episode statistics ({} for them))."""
-    from megatron_rl.rewards import combine
-    from megatron_rl.rollout.evaluate import decode
+    from megatron_rl.environments.rewards import combine
+    from megatron_rl.data.tokenizer import decode_texts
 
     if cfg is not None and is_multi_turn(cfg, scorer):
         episodes = run_episodes(engine, scorer.runner, tokenizer, prompts, metadata, n, seed, cfg.rollout.max_turns,
@@ -68,9 +68,9 @@ def generate_scored(engine, scorer, tokenizer, prompts: list[list[int]], metadat
         scores = combine(episodes.rewards, scorer.weights, episodes.failures, episodes.errors)
         return episodes.rollout, scores, episodes.answers, episodes.stats
     rollout = engine.generate(prompts, n=n, seed=seed, greedy=greedy, tape=tape)
-    texts = decode(tokenizer, prompts)
+    texts = decode_texts(tokenizer, prompts)
     each = range(len(rollout.completions))
-    scores = scorer.score([texts[i // n] for i in each], decode(tokenizer, rollout.completions),
+    scores = scorer.score([texts[i // n] for i in each], decode_texts(tokenizer, rollout.completions),
                           [metadata[i // n] for i in each], ids=(rollout.prompts, rollout.completions))
     return rollout, scores, None, {}
 
@@ -104,12 +104,12 @@ def run_episodes(engine, runner, tokenizer, prompts: list[list[int]], metadata: 
     EnvRunner; budget: the most tokens an episode (prompt included) may hold. tape: an MoE model's
     RoutingTape: each token's experts are those of the pass that fed it first (its turn's prefill
     or decode), which later turns' prefills route it to again; the rollout holds each episode's."""
-    from megatron_rl.rollout.evaluate import decode
+    from megatron_rl.data.tokenizer import decode_texts
 
     env = runner.env
     count = len(prompts) * n
     prompt = [list(prompts[i // n]) for i in range(count)]
-    texts = decode(tokenizer, prompts)
+    texts = decode_texts(tokenizer, prompts)
     ids, mask, logp = [[] for _ in range(count)], [[] for _ in range(count)], [[] for _ in range(count)]
     conversation = [[{"role": "user", "content": texts[i // n]}] for i in range(count)]
     meta = [dict(metadata[i // n]) for i in range(count)]

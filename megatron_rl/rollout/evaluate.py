@@ -6,10 +6,6 @@ import torch
 from megatron_rl.training.step import global_mean
 
 
-def decode(tokenizer, ids: list[list[int]]) -> list[str]:
-    return [tokenizer.decode(x, skip_special_tokens=True) for x in ids]
-
-
 def greedy_eval(engine, scorer, tokenizer, prompts: list[list[int]], metadata: list[dict], cfg=None) -> dict:
     """This DP rank's share of the prompts, decoded greedily and scored: val/accuracy (share with
     reward >= 1) and val/reward_mean over all ranks; where rows name a 'teacher' (several operations of

@@ -18,7 +18,7 @@ def wrong_answer_sampler(cfg: Config, tokenizer, samples_per_prompt: int = 4):
 
         from megatron_rl.data.sft import prompt_ids
         from megatron_rl.rollout.engine import RolloutEngine
-        from megatron_rl.rollout.evaluate import decode
+        from megatron_rl.data.tokenizer import decode_texts
         from megatron_rl.training.frozen import load_frozen
         from megatron_rl.training.setup import compute_dtype
 
@@ -33,7 +33,7 @@ def wrong_answer_sampler(cfg: Config, tokenizer, samples_per_prompt: int = 4):
         rank, size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         mine = prompts[rank::size]
         out = engine.generate(prompt_ids(tokenizer, mine), n=samples_per_prompt, seed=cfg.data.seed + rank)
-        texts = [t.strip() for t in decode(tokenizer, out.completions)]
+        texts = [t.strip() for t in decode_texts(tokenizer, out.completions)]
         wrong = []
         for i, answer in enumerate(answers[rank::size]):
             group = texts[i * samples_per_prompt : (i + 1) * samples_per_prompt]

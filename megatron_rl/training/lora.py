@@ -31,6 +31,7 @@ from contextlib import contextmanager
 import torch
 
 from megatron_rl.config import ConfigError, LoRAConfig
+from model_providers.builder import is_adapter, unwrap
 
 
 class Adapters(torch.nn.Module):
@@ -192,10 +193,6 @@ def add_adapters(chunks: list, cfg: LoRAConfig, tconfig, model_cfg, seed: int, i
         init_adapters(chunks, model_cfg, seed)
 
 
-def is_adapter(name: str) -> bool:
-    return "_lora." in name
-
-
 def adapter_modules(chunks: list) -> list[Adapters]:
     return [m for chunk in chunks for m in chunk.modules() if isinstance(m, Adapters)]
 
@@ -240,7 +237,6 @@ def _per_shard(chunks: list, model_cfg, value) -> dict[tuple[str, int], object]:
     (canonical name, shard): the copies on other data- and context-parallel ranks collapse into one."""
     import torch.distributed as dist
 
-    from megatron_rl.checkpointing import unwrap
     from megatron_rl.hf.weights import canonical
 
     mine = {}

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import Config, ConfigError
+from model_providers.builder import unwrap
 
 
 def build_reference(cfg: Config, trainee, resumed: bool) -> list:
@@ -26,7 +27,7 @@ def build_reference(cfg: Config, trainee, resumed: bool) -> list:
     reference, _ = build_model(cfg, wrap_ddp=False)
     if not resumed:
         for ref, chunk in zip(reference, trainee.model):
-            checkpointing.unwrap(ref).load_state_dict(checkpointing.unwrap(chunk).state_dict())
+            unwrap(ref).load_state_dict(unwrap(chunk).state_dict())
     elif cfg.checkpoint.load:
         checkpointing.load_weights(reference, checkpointing.resolve(cfg.checkpoint.load), cfg.model.head)
     elif cfg.model.hf_path:

@@ -1,4 +1,4 @@
-"""Built-in reward functions: (prompt, completion, metadata) -> float."""
+"""Built-in reward functions: (prompt, completion, metadata) -> float, or named components."""
 
 
 def exact_match(prompt: str, completion: str, metadata: dict) -> float:

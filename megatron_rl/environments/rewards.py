@@ -4,38 +4,26 @@ A reward function scores one sample: fn(prompt: str, completion: str, metadata: 
 dict of named components (float each; their sum, or the configured weighting, is the reward).
 Built in: 'exact_match' (the completion equals metadata['answer']) and 'math' (math-verify:
 boxed or plain answers, LaTeX and numeric equivalence). Anything else is a dotted path
-'package.module:function'. 'reward_model' scores with a trained reward model (reward_model.py),
+'package.module:function'. 'reward_model' scores with a trained reward model (environments/reward_model.py),
 in the training processes rather than in workers.
 
-A reward function is a single-turn environment (megatron_rl/environments): each sample is scored in
+A reward function is a single-turn environment (environments/__init__.py): each sample is scored in
 a worker process with a time limit; a function that raises or hangs on one sample gives that sample
 reward 0 and a counted warning; the run goes on.
 """
 
-from dataclasses import dataclass, field
-
-from megatron_rl.environments import EnvRunner, RewardEnvironment, load_environment, load_reward
-
-__all__ = ["RewardRunner", "Scores", "build_scorer", "load_reward"]
+from megatron_rl.environments import EnvRunner, RewardEnvironment, Scores, load_environment
 
 
 def build_scorer(cfg, spec: str, tokenizer):
     """What scores samples for reward spec `spec`: a RewardRunner over a reward function, or, for
     'reward_model', the frozen reward model of rewards.model (built collectively on every rank)."""
     if spec == "reward_model":
-        from .reward_model import RewardModel
+        from megatron_rl.environments.reward_model import RewardModel
 
         return RewardModel(cfg, cfg.rewards.model, tokenizer)
     r = cfg.rewards
     return RewardRunner(spec, r.timeout_s, r.workers, r.weights, cfg)
-
-
-@dataclass
-class Scores:
-    rewards: list[float]
-    components: dict[str, list[float]] = field(default_factory=dict)
-    failures: int = 0  # samples whose scoring raised or timed out (reward 0)
-    errors: list[str] = field(default_factory=list)  # a few of their messages
 
 
 class RewardRunner:

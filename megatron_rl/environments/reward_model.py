@@ -14,7 +14,7 @@ import torch
 
 from megatron_rl.config import Config, ConfigError
 
-from . import Scores
+from megatron_rl.environments import Scores
 
 
 def same_tokenizer(a, b) -> bool:
