@@ -28,7 +28,8 @@ class Profiler:
         self.rank = rank
         self.torch_profiler = None
         self.capturing = False
-        self.seconds: dict[str, float] = defaultdict(float)
+        self.seconds: dict[str, float] = defaultdict(float)  # per phase, over the run
+        self.last: dict[str, float] = defaultdict(float)  # per phase, in the step now running
         self.steps = 0
 
     @contextlib.contextmanager
@@ -47,12 +48,14 @@ class Profiler:
                 yield
             finally:
                 self.seconds[name] += time.perf_counter() - t0
+                self.last[name] += time.perf_counter() - t0
 
     def step(self, step: int):
         """Call at the start of each step: opens and closes the capture window."""
         watchdog.steps_started()
         watchdog.beat(f"step {step}")
         self.steps += 1
+        self.last = defaultdict(float)
         if step == self.start and not self.capturing:
             self.capturing = True
             if self.nsys:

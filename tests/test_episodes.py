@@ -192,7 +192,7 @@ def test_moe_turns_route_earlier_tokens_as_recorded(one_process, tmp_path):
     from megatron_rl.config import Config
     from megatron_rl.data.tokenizer import build_char_tokenizer
     from megatron_rl.rollout.engine import RolloutEngine
-    from megatron_rl.rollout.routing import RoutingTape, pack_routes, routes_queued
+    from megatron_rl.training.routing import RoutingTape, pack_routes, routes_queued
     from megatron_rl.training.setup import build_model
     from recipes.tiny import tiny_moe_model
 

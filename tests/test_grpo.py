@@ -106,7 +106,7 @@ def test_loss_normalization_is_independent_of_microbatching_and_dp():
 def test_engine_runs_on_the_training_parameters(one_process, tmp_path):
     """No copy: the engine's model is the trainee's (same storage), and after an optimizer step the
     next rollout's logprobs are the new weights' (and differ from the old ones)."""
-    from megatron_rl.algorithms.grpo import logprobs_of
+    from megatron_rl.training.policy import logprobs_of
     from megatron_rl.config import Config
     from megatron_rl.data import rl as rl_data
     from megatron_rl.data.tokenizer import build_char_tokenizer
@@ -153,7 +153,7 @@ def test_training_forward_supplies_the_old_logprobs(one_process, variant):
     the logprobs the mismatch metrics read."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_rl.algorithms.grpo import logprobs_of, train_on, trains_the_old_policy
+    from megatron_rl.training.policy import RLBatch, logprobs_of, one_update_per_batch, train_policy
     from megatron_rl.config import Config
     from megatron_rl.training.setup import build_trainee
 
@@ -162,7 +162,7 @@ def test_training_forward_supplies_the_old_logprobs(one_process, variant):
     cfg.data.micro_batch_size = 4
     for k, v in variant.items():
         setattr(cfg.algorithm, k, v)
-    assert trains_the_old_policy(cfg.algorithm)
+    assert one_update_per_batch(cfg.algorithm)
     g = torch.Generator().manual_seed(0)
     n, s = 8, 12
     batch = {"tokens": torch.randint(0, 20, (n, s), generator=g), "labels": torch.randint(0, 20, (n, s), generator=g),
@@ -176,9 +176,9 @@ def test_training_forward_supplies_the_old_logprobs(one_process, variant):
         mine = dict(batch)
         if separate_pass:
             mine["old_logp"] = logprobs_of(trainee.model, mine, cfg)
-        out = train_on(trainee, cfg, mine)
+        out, old_logp = train_policy(trainee, cfg, RLBatch(**mine))
         weights = torch.cat([p.detach().flatten().clone() for p in trainee.model[0].parameters()])
-        results.append((out, weights, mine["old_logp"]))
+        results.append((out, weights, old_logp))
     (with_pass, w1, old1), (without, w2, old2) = results
     assert without["train/loss"] == with_pass["train/loss"] and without["train/grad_norm"] == with_pass["train/grad_norm"]
     assert torch.equal(w1, w2) and torch.equal(old1 * batch["loss_mask"], old2 * batch["loss_mask"])

@@ -75,7 +75,8 @@ def test_sequence_ratios_refuse_context_parallel():
 
 
 def test_gdpo_needs_named_components(one_process):
-    from megatron_rl.algorithms.grpo import Scored, advantages_of
+    from megatron_rl.algorithms.grpo import advantages_of
+    from megatron_rl.rollout.groups import Scored
     from megatron_rl.rollout.engine import Rollout
 
     cfg = get_recipe("tiny_gdpo")
@@ -84,7 +85,7 @@ def test_gdpo_needs_named_components(one_process):
                     torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([1.0, 0.0, 1.0, 1.0]), {})
     with pytest.raises(ConfigError, match="needs named reward components"):
         advantages_of(cfg, scored)
-    scored.components = {"correct": scored.raw, "digits": torch.tensor([1.0, 0.0, 1.0, 1.0])}
+    scored.components = {"correct": scored.scores, "digits": torch.tensor([1.0, 0.0, 1.0, 1.0])}
     adv = advantages_of(cfg, scored)
     assert adv[2:].tolist() == pytest.approx([adv[2].item(), adv[2].item()])  # the all-equal group shares one value
     assert adv[0] > adv[1]

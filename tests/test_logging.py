@@ -30,7 +30,7 @@ def wandb_history(run_dir) -> list[dict]:
 
 def test_wandb_offline_logs_every_step_and_a_resume_continues_the_run(one_process, tmp_path):
     pytest.importorskip("wandb")
-    from megatron_rl.training.loop import start_log
+    from megatron_rl.training.run import start_log
 
     cfg = Config()
     cfg.logging.wandb_project, cfg.logging.wandb_mode = "megatron-rl-test", "offline"

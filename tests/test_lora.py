@@ -35,7 +35,7 @@ def _lora_model(moe=False, **lora):
 
 
 def _logprobs(cfg, chunks):
-    from megatron_rl.algorithms.grpo import logprobs_of
+    from megatron_rl.training.policy import logprobs_of
     from megatron_rl.data import rl as rl_data
 
     batch = {**rl_data.pack([[1, 5, 6], [1, 7]], [[3, 4, 2], [9, 9, 9, 2]], 8, 0), "index": torch.arange(2)}

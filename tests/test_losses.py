@@ -120,7 +120,7 @@ def test_cispo_keeps_gradient_of_clipped_tokens():
 def test_cispo_defaults_have_no_lower_bound_and_trls_cap():
     """policy_loss=cispo without clip settings: weights are not floored (MiniMax-M1) and capped at 5
     (TRL's CISPO epsilon_high=5.0); ppo keeps 0.2/0.2, and a setting the user made stays."""
-    from megatron_rl.algorithms.grpo import policy_loss
+    from megatron_rl.training.policy import clipped_loss
     from megatron_rl.config import AlgorithmConfig
 
     a = AlgorithmConfig(name="grpo", policy_loss="cispo")
@@ -128,8 +128,7 @@ def test_cispo_defaults_have_no_lower_bound_and_trls_cap():
     assert AlgorithmConfig(name="grpo").clip_range() == (0.2, 0.2)
     assert AlgorithmConfig(name="grpo", policy_loss="cispo", clip_high=0.28).clip_range() == (1.0, 0.28)
     logp = torch.tensor([[math.log(0.1), math.log(9.0)]])
-    batch = {"advantages": torch.tensor([1.0]), "loss_mask": torch.ones(1, 2)}
-    loss, clipped = policy_loss(a, logp, torch.zeros(1, 2), batch)
+    loss, clipped = clipped_loss(a, logp, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2))
     assert loss[0].tolist() == pytest.approx([-0.1 * math.log(0.1), -5.0 * math.log(9.0)])
     assert clipped[0].tolist() == [False, True]
 

@@ -135,14 +135,16 @@ def generate_all(engine, scorer, tokenizer, prompts, metadata, n, seed, batch, g
     """This rank's prompts in batches: per prompt, its n samples as (completion text, reward, answer);
     with a multi-turn environment, episodes (the text holds the environment's observations too, the
     answer is the one the environment extracted)."""
-    from megatron_rl.rollout.episodes import generate_scored
     from megatron_rl.data.tokenizer import decode_texts
+    from megatron_rl.rollout.engine import sampling_seed
+    from megatron_rl.rollout.episodes import generate_scored
 
     out = []
     for b in range(0, len(prompts), batch):
         ids, meta = prompts[b:b + batch], metadata[b:b + batch]
-        rollout, scores, answers, _ = generate_scored(engine, scorer, tokenizer, ids, meta, n, seed + 1000003 * (b // batch),
-                                                      cfg, cfg.rollout.max_sequence_length, greedy=greedy)
+        rollout, scores, answers, _ = generate_scored(engine, scorer, tokenizer, ids, meta, n,
+                                                      sampling_seed(seed, batch=b // batch), cfg,
+                                                      cfg.rollout.max_sequence_length, greedy=greedy)
         completions, rewards = decode_texts(tokenizer, rollout.completions), scores.rewards
         answers = answers or [answer(c) for c in completions]
         for i in range(len(ids)):
@@ -175,7 +177,7 @@ def evaluate(args) -> dict:
     from megatron_rl.data.sft import read_jsonl, report_skipped
     from megatron_rl.data.tokenizer import load_tokenizer
     from megatron_rl.environments.rewards import build_scorer
-    from megatron_rl.rollout.engine import RolloutEngine
+    from megatron_rl.rollout.engine import RolloutEngine, sampling_seed
     from megatron_rl.rollout.episodes import check_observation_format
     from megatron_rl.rollout.evaluate import maj_at_k, pass_at_k
     from megatron_rl.training.frozen import load_frozen
@@ -206,7 +208,7 @@ def evaluate(args) -> dict:
     for name, n, greedy in passes:
         with tqdm(total=len(prompts), desc=name, unit="prompt", disable=dist.get_rank() != 0) as bar:
             bar.update(0)
-            results[name] = gather(generate_all(engine, scorer, tokenizer, mine, mine_meta, n, args.seed + rank,
+            results[name] = gather(generate_all(engine, scorer, tokenizer, mine, mine_meta, n, sampling_seed(args.seed, rank=rank),
                                                 args.batch_prompts, greedy, _Scaled(bar, size),
                                                 lambda c: answer_of(cfg.rewards.fn, c), cfg),
                                    rank, size, len(prompts))

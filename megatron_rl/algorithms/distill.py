@@ -20,7 +20,6 @@ tokenized by both, the tokens are grouped into chunks that end where both have a
 """
 
 import math
-import time
 from functools import partial
 from pathlib import Path
 
@@ -30,17 +29,16 @@ from megatron_rl import losses
 from megatron_rl.config import Config, ConfigError
 from megatron_rl.data import rl as rl_data
 from megatron_rl.data.alignment import chunk_sums
-from megatron_rl.data.sft import Batches
 from megatron_rl.environments.rewards import build_scorer
-from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.rollout.engine import RolloutEngine, sampling_seed
 from megatron_rl.rollout.evaluate import greedy_eval
 from megatron_rl.training.logprobs import logprobs_at, mask_padded_vocab, token_logprobs, vocab_topk
-from megatron_rl.training.loop import due, finish, save_if_due, schedule_metrics, start_log, train_step
-from megatron_rl.training.setup import build_trainee, compute_dtype, load_initial_state, write_run_assets
-from megatron_rl.training.step import (cp_sum, cp_sum_straight_through, first_cp_rank, forward_only, global_mean,
-                                       make_microbatches, put_tokens)
-
-from .grpo import logprobs_of, train_on, trains_the_old_policy
+from megatron_rl.training.policy import RLBatch, logprobs_of, one_update_per_batch, train_policy
+from megatron_rl.training.run import Run, closing_all
+from megatron_rl.training.setup import compute_dtype
+from megatron_rl.training.stats import global_mean
+from megatron_rl.training.step import (cp_sum, cp_sum_straight_through, first_cp_rank, forward_only, make_microbatches,
+                                       put_tokens, schedule_metrics, train_step)
 
 
 def build_teacher(cfg: Config, tokenizer, path: str, key: str = "distill.teacher"):
@@ -81,15 +79,15 @@ def build_teachers(cfg: Config, tokenizer, train_meta: list[dict]) -> dict[str, 
             for name, path in d.teachers.items()}
 
 
-def teacher_advantages(teachers: dict[str, list], names: list[str], batch: dict, cfg: Config, vocab: int) -> torch.Tensor:
+def teacher_advantages(teachers: dict[str, list], names: list[str], batch: RLBatch, cfg: Config, vocab: int) -> torch.Tensor:
     """MOPD: per token, stop-gradient(log p_teacher - log p_student) of the sampled token (N, S), each
     sample against the teacher its row names; the student's log-probs are the rollout's."""
-    teacher_logp = torch.zeros_like(batch["loss_mask"])
+    teacher_logp = torch.zeros_like(batch.loss_mask)
     for name, chunks in teachers.items():  # every teacher on every rank: the forwards are collective
-        logp = logprobs_of(chunks, batch, cfg, vocab=vocab)
+        logp = logprobs_of(chunks, batch.tensors(), cfg, vocab=vocab)
         rows = torch.tensor([n == name for n in names])
         teacher_logp[rows] = logp[rows]
-    return (teacher_logp - batch["rollout_logp"]) * batch["loss_mask"]
+    return (teacher_logp - batch.rollout_logp) * batch.loss_mask
 
 
 def vocabulary(model, tokenizer) -> int:
@@ -176,89 +174,74 @@ class CrossTokenizer:
 def run(cfg: Config, run_dir: Path) -> dict:
     from megatron.core import parallel_state as ps
 
-    a, r = cfg.algorithm, cfg.rollout
+    r = cfg.rollout
     tokenizer, (train_prompts, train_meta), (val_prompts, val_meta) = rl_data.prompt_splits(cfg, run_dir)
     cross = CrossTokenizer(cfg, tokenizer, build_teacher(cfg, tokenizer, cfg.distill.teacher)) \
         if cfg.distill.cross_tokenizer else None
     teachers = build_teachers(cfg, tokenizer, train_meta) if cross is None else {}
-    trainee = build_trainee(cfg)
-    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    stream = Batches({"index": torch.arange(len(train_prompts))}, a.prompts_per_step, cfg.data.seed, dp_rank, dp)
-    latest, state = load_initial_state(trainee, cfg, run_dir)
-    assets = write_run_assets(cfg, run_dir, tokenizer)
-    step = state["step"] if state else 0
-    if state:
-        stream.load_state_dict(state["extra"]["data"])
-    engine = RolloutEngine(trainee.model, cfg.model, tokenizer, r, compute_dtype(cfg))
+    run = Run(cfg, run_dir, tokenizer, {"index": torch.arange(len(train_prompts))}, cfg.algorithm.prompts_per_step)
+    engine = RolloutEngine(run.trainee.model, cfg.model, tokenizer, r, compute_dtype(cfg))
     val_scorer = build_scorer(cfg, cfg.rewards.val_fn or cfg.rewards.fn, tokenizer) if val_prompts else None
     vocab = vocabulary(cfg.model, tokenizer)
     loss_fn = partial(xtoken_loss if cross else distill_loss, cfg, vocab)
-    log, prof = start_log(cfg, run_dir, step, latest, trainee)
-    if step == 0 and val_prompts:  # the starting point, logged as step 0
-        log.log(0, greedy_eval(engine, val_scorer, tokenizer, val_prompts, val_meta))
+    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
 
-    metrics = {}
-    while step < cfg.train.max_steps:
-        prof.step(step)
-        times = {}
-        t0 = time.perf_counter()
-        with prof.range("rollout"):
-            index = stream.next()["index"].tolist()
-            rollout = engine.generate([train_prompts[i] for i in index], n=r.n, seed=r.seed + step * 7919 + dp_rank)
-        times["perf/time_rollout_s"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        with prof.range("teacher"):
+    def step() -> dict:
+        with run.phase("rollout"):
+            index = run.data.next()["index"].tolist()
+            rollout = engine.generate([train_prompts[i] for i in index], n=r.n, seed=sampling_seed(r.seed, run.step, dp_rank))
+        with run.phase("teacher"):
             if cross is not None:
-                batch = cross.batch(rollout)
+                batch, gap = cross.batch(rollout), {}
             else:
-                batch = rl_data.pack(rollout.prompts, rollout.completions, cfg.data.seq_length, tokenizer.pad_token_id,
-                                     rollout_logp=rollout.logprobs)
-                batch["index"] = torch.arange(len(rollout.completions))
-                if cfg.distill.teachers:
-                    names = [train_meta[i]["teacher"] for i in index for _ in range(r.n)]
-                    batch["advantages"] = teacher_advantages(teachers, names, batch, cfg, vocab)
-                    gap = global_mean({"distill/teacher_student_logprob_gap_mean": batch["advantages"].sum().item()},
-                                      batch["loss_mask"].sum().item())
-                    if not trains_the_old_policy(a):
-                        batch["old_logp"] = logprobs_of(trainee.model, batch, cfg)
-                else:
-                    batch["topk_ids"], batch["topk_logp"] = teacher_topk(teachers[""], batch, cfg, vocab)
-        times["perf/time_teacher_s"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        with prof.range("train"):
-            if cfg.distill.teachers:  # the policy loss of the GRPO loop on the teachers' per-token advantages
-                train_metrics = {**train_on(trainee, cfg, batch), **gap}
+                names = [train_meta[i].get("teacher", "") for i in index for _ in range(r.n)]
+                batch, gap = teacher_batch(cfg, run.trainee, rollout, names, teachers, tokenizer.pad_token_id, vocab)
+        with run.phase("train"):
+            if cfg.distill.teachers:  # the policy loss of the GRPO family on the teachers' per-token advantages
+                train = {**train_policy(run.trainee, cfg, batch)[0], **gap}
             else:
-                keys = ("tokens", "labels", "loss_mask",
-                        *(("chunk", "chunk_valid", "teacher_chunk_logp") if cross else ("topk_ids", "topk_logp")))
-                micro = make_microbatches(cfg, {k: batch[k] for k in keys}, cfg.data.micro_batch_size)
-                report, grad_norm = train_step(trainee, micro, loss_fn)
-                tokens = max(report.get("tokens", 0.0), 1.0)  # (chunks, cross-tokenizer)
-                train_metrics = {"train/loss": report.get("loss_num", 0.0) / tokens, "train/grad_norm": grad_norm}
-                if cross:
-                    train_metrics["distill/chunk_logp_gap_mean"] = report.get("gap", 0.0) / tokens
-                else:
-                    train_metrics["train/student_topk_mass"] = report.get("topk_mass", 0.0) / tokens
-        times["perf/time_train_s"] = time.perf_counter() - t0
-        step += 1
-
+                train = train_student(cfg, run.trainee, batch, loss_fn, cross is not None)
         generated = sum(rollout.lengths)
-        metrics = {
-            **train_metrics,
-            **global_mean({"rollout/response_len_mean": float(generated),
-                           "rollout/truncated_frac": float(sum(rollout.truncated))}, len(rollout.completions)),
-            **times, "perf/rollout_tokens_per_s": generated * dp / times["perf/time_rollout_s"],
-            **schedule_metrics(trainee),
-        }
-        is_last = step == cfg.train.max_steps
-        if val_prompts and due(step, cfg.train.eval_every, is_last):
-            with prof.range("eval"):
-                metrics.update(greedy_eval(engine, val_scorer, tokenizer, val_prompts, val_meta))
-        log.log(step, metrics)
-        if save_if_due(cfg, trainee, run_dir, step, is_last, stream.state_dict(), assets, log):
-            break
-    if val_scorer is not None:
-        val_scorer.close()
-    return finish(cfg, trainee, run_dir, assets, log, prof, metrics, plot=["train/loss", "val/accuracy"])
+        times = run.phase_times()
+        return {**train, **global_mean({"rollout/response_len_mean": float(generated),
+                                        "rollout/truncated_frac": float(sum(rollout.truncated))}, len(rollout.completions)),
+                **times, "perf/rollout_tokens_per_s": generated * dp / times["perf/time_rollout_s"],
+                **schedule_metrics(run.trainee)}
+
+    def validate() -> dict:
+        return greedy_eval(engine, val_scorer, tokenizer, val_prompts, val_meta)
+
+    with closing_all(val_scorer):
+        return run.loop(step, validate if val_prompts else None, plot=["train/loss", "val/accuracy"])
+
+
+def teacher_batch(cfg: Config, trainee, rollout, names: list[str], teachers: dict, pad_id: int, vocab: int):
+    """The rollout packed with what the student learns from, and its metrics: with several teachers each
+    sample's per-token advantages against its teacher (and the old policy's logprobs when more than one
+    optimizer step uses them), else the one teacher's top-k at every position."""
+    batch = RLBatch.of(rollout, cfg.data.seq_length, pad_id)
+    if not cfg.distill.teachers:
+        tensors = batch.tensors("tokens", "labels", "loss_mask", "index")
+        tensors["topk_ids"], tensors["topk_logp"] = teacher_topk(teachers[""], tensors, cfg, vocab)
+        return tensors, {}
+    batch.advantages = teacher_advantages(teachers, names, batch, cfg, vocab)
+    gap = global_mean({"distill/teacher_student_logprob_gap_mean": batch.advantages.sum().item()},
+                      batch.loss_mask.sum().item())
+    if not one_update_per_batch(cfg.algorithm):
+        batch.old_logp = logprobs_of(trainee.model, batch.tensors(), cfg)
+    return batch, gap
+
+
+def train_student(cfg: Config, trainee, batch: dict, loss_fn, cross: bool) -> dict:
+    """One optimizer step on the distillation loss (top-k KL, or cross-tokenizer chunk likelihoods)."""
+    keys = ("tokens", "labels", "loss_mask",
+            *(("chunk", "chunk_valid", "teacher_chunk_logp") if cross else ("topk_ids", "topk_logp")))
+    micro = make_microbatches(cfg, {k: batch[k] for k in keys}, cfg.data.micro_batch_size)
+    report, grad_norm = train_step(trainee, micro, loss_fn)
+    tokens = max(report.get("tokens", 0.0), 1.0)  # (chunks, cross-tokenizer)
+    out = {"train/loss": report.get("loss_num", 0.0) / tokens, "train/grad_norm": grad_norm}
+    if cross:
+        out["distill/chunk_logp_gap_mean"] = report.get("gap", 0.0) / tokens
+    else:
+        out["train/student_topk_mass"] = report.get("topk_mass", 0.0) / tokens
+    return out

@@ -22,15 +22,17 @@ import torch.distributed as dist
 from megatron_rl import losses
 from megatron_rl.config import Config
 from megatron_rl.data import preference
-from megatron_rl.data.sft import Batches
+from megatron_rl.environments.rewards import build_scorer
+from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.rollout.evaluate import greedy_eval
 from megatron_rl.training.logprobs import mask_padded_vocab, token_logprobs
-from megatron_rl.training.loop import (due, dp_share, finish, save_if_due, schedule_metrics, start_log, train_step,
-                                       validation_report)
 from megatron_rl.training.lora import adapters_off
 from megatron_rl.training.reference import build_reference, cache_key, cached, weight_bytes
-from megatron_rl.training.setup import build_trainee, load_initial_state, write_run_assets
-from megatron_rl.training.step import (cp_sum, cp_sum_straight_through, first_cp_rank, forward_only, make_microbatches,
-                                       share_with_pipeline)
+from megatron_rl.training.run import Run, closing_all
+from megatron_rl.training.setup import compute_dtype
+from megatron_rl.training.step import (cp_sum, cp_sum_straight_through, dp_share, first_cp_rank, forward_only,
+                                       make_microbatches, schedule_metrics, share_with_pipeline, train_step,
+                                       validation_report)
 
 
 def dpo_loss(cfg: Config, sft_scale: float, batch: dict, logits: torch.Tensor):
@@ -127,79 +129,62 @@ def evaluate(trainee, cfg: Config, val: dict, reference) -> dict:
     return metrics_of(r, "val", cfg.algorithm.sft_loss_weight)
 
 
-def run(cfg: Config, run_dir: Path) -> dict:
-    from megatron.core import parallel_state as ps
-
-    a = cfg.algorithm
-    data = preference.prepare(cfg, run_dir)
-    tokenizer, train, val = data.tokenizer, data.train, data.val
-    trainee = build_trainee(cfg)
-    latest, state = load_initial_state(trainee, cfg, run_dir)
-    assets = write_run_assets(cfg, run_dir, tokenizer)
-    step = state["step"] if state else 0
-    log, prof = start_log(cfg, run_dir, step, latest, trainee)
-    log.write(data.note)
-
-    built = []  # the frozen initial policy, built on first use
-
-    def reference():
-        if not built:
-            built.append(build_reference(cfg, trainee, resumed=latest is not None))
-        return built[0]
-
-    if a.precompute_reference:  # every pair's reference log-probs once; then no reference model is kept
-        t0 = time.perf_counter()
-        for name, split in (("train", train), ("val", val)):
-            if split is not None:
-                key = cache_key(cfg, data.paths[name], tokenizer)
-                split["ref_logps"], _ = precompute(cfg, reference, split, run_dir / "reference" / f"{name}.pt", key)
-        saved = f"{weight_bytes(built[0]) / 2**20:.1f} MB of weights on each rank" if built else "not built"
-        log.write(f"reference log-probs {'computed once' if built else 'read from the cache'} in "
+def precompute_all(run: Run, data, reference: "Lazy") -> None:
+    """algorithm.precompute_reference: every pair's reference log-probs once (cached under the run
+    directory), after which no reference model is kept."""
+    t0 = time.perf_counter()
+    for name, split in (("train", data.train), ("val", data.val)):
+        if split is not None:
+            key = cache_key(run.cfg, data.paths[name], data.tokenizer)
+            split["ref_logps"], _ = precompute(run.cfg, reference, split, run.dir / "reference" / f"{name}.pt", key)
+    saved = f"{weight_bytes(reference.value) / 2**20:.1f} MB of weights on each rank" if reference.built else "not built"
+    run.log.write(f"reference log-probs {'computed once' if reference.built else 'read from the cache'} in "
                   f"{time.perf_counter() - t0:.1f} s; the reference model ({saved}) is not kept")
-        built.clear()
+    reference.drop()
+
+
+class Lazy:
+    """A value made on first use (the reference model: not built when cached log-probs make it unneeded)."""
+
+    def __init__(self, make):
+        self.make, self.value, self.built = make, None, False
+
+    def __call__(self):
+        if not self.built:
+            self.value, self.built = self.make(), True
+        return self.value
+
+    def drop(self):
+        self.value, self.built = None, False
+
+
+def run(cfg: Config, run_dir: Path) -> dict:
+    data = preference.prepare(cfg, run_dir)
+    run = Run(cfg, run_dir, data.tokenizer, data.train, cfg.data.global_batch_size)
+    run.log.write(data.note)
+    reference = Lazy(lambda: build_reference(cfg, run.trainee, resumed=run.resumed_from is not None))
+    if cfg.algorithm.precompute_reference:
+        precompute_all(run, data, reference)
     engine = scorer = None
     if data.val_prompts:  # greedy val/accuracy, as SFT and GRPO report it
-        from megatron_rl.environments.rewards import build_scorer
-        from megatron_rl.rollout.engine import RolloutEngine
-        from megatron_rl.training.setup import compute_dtype
+        engine = RolloutEngine(run.trainee.model, cfg.model, data.tokenizer, cfg.rollout, compute_dtype(cfg))
+        scorer = build_scorer(cfg, cfg.rewards.val_fn or "exact_match", data.tokenizer)
 
-        engine = RolloutEngine(trainee.model, cfg.model, tokenizer, cfg.rollout, compute_dtype(cfg))
-        scorer = build_scorer(cfg, cfg.rewards.val_fn or "exact_match", tokenizer)
+    def validate() -> dict:
+        out = evaluate(run.trainee, cfg, data.val, reference) if data.val is not None else {}
+        return {**out, **(greedy_eval(engine, scorer, data.tokenizer, *data.val_prompts) if engine else {})}
 
-    def validation() -> dict:
-        from megatron_rl.rollout.evaluate import greedy_eval
-
-        out = evaluate(trainee, cfg, val, reference) if val is not None else {}
-        return {**out, **(greedy_eval(engine, scorer, tokenizer, *data.val_prompts) if engine else {})}
-
-    batches = Batches(train, cfg.data.global_batch_size, cfg.data.seed, ps.get_data_parallel_rank(),
-                      ps.get_data_parallel_world_size())
-    if state:
-        batches.load_state_dict(state["extra"]["data"])
-    if step == 0:  # the starting point (the policy is its own reference: preference_loss = ln 2)
-        log.log(0, {**validation(), **data.truncated()})
-    metrics = {}
-    while step < cfg.train.max_steps:
-        prof.step(step)
-        t0 = time.perf_counter()
-        with prof.range("train"):
-            batch = batches.next()
+    def step() -> dict:
+        with run.phase("train"):
+            batch = run.data.next()
             if "ref_logps" not in batch:
                 batch["ref_logps"] = reference_logps(reference(), batch, cfg)
-            r, grad_norm = train_step(trainee, dpo_microbatches(cfg, batch), partial(dpo_loss, cfg, sft_scale(batch)))
-        step += 1
-        dt = time.perf_counter() - t0
-        metrics = {**metrics_of(r, "train", a.sft_loss_weight), "train/grad_norm": grad_norm,
-                   **schedule_metrics(trainee), "perf/step_time_s": dt,
-                   "perf/tokens_per_s": 2 * cfg.data.global_batch_size * cfg.data.seq_length / dt}
-        is_last = step == cfg.train.max_steps
-        if due(step, cfg.train.eval_every, is_last):
-            with prof.range("eval"):
-                metrics.update(validation())
-        log.log(step, metrics)
-        if save_if_due(cfg, trainee, run_dir, step, is_last, batches.state_dict(), assets, log):
-            break
-    if scorer is not None:
-        scorer.close()
-    return finish(cfg, trainee, run_dir, assets, log, prof, metrics,
-                  plot=["train/preference_loss", "val/preference_accuracy", "val/accuracy"])
+            r, grad_norm = train_step(run.trainee, dpo_microbatches(cfg, batch), partial(dpo_loss, cfg, sft_scale(batch)))
+        seconds = run.prof.last["train"]
+        return {**metrics_of(r, "train", cfg.algorithm.sft_loss_weight), "train/grad_norm": grad_norm,
+                **schedule_metrics(run.trainee), "perf/step_time_s": seconds,
+                "perf/tokens_per_s": 2 * cfg.data.global_batch_size * cfg.data.seq_length / seconds}
+
+    with closing_all(scorer):
+        return run.loop(step, validate, first=data.truncated(),
+                        plot=["train/preference_loss", "val/preference_accuracy", "val/accuracy"])

@@ -21,6 +21,8 @@ from megatron_rl import checkpointing, losses
 from megatron_rl.algorithms import grpo
 from megatron_rl.config import Config
 from megatron_rl.training import critic as critic_lib
+from megatron_rl.training.policy import RLBatch, optimizer_passes
+from megatron_rl.training.stats import dp_sum
 
 
 class Critic:
@@ -30,23 +32,23 @@ class Critic:
         self.cfg, self.run_dir = cfg, run_dir
         self.trainee, self.critic_cfg = critic_lib.build_critic(cfg, run_dir, resumed_step)
 
-    def advantages(self, scored, batch: dict):
+    def advantages(self, scored, batch: RLBatch):
         """Per-token advantages (N, S); batch gains the critic's old values and the returns."""
         a, p = self.cfg.algorithm, self.cfg.ppo
-        mask = batch["loss_mask"]
-        kl = losses.kl_penalty(batch["rollout_logp"], batch["ref_logp"], a.kl_estimator) if a.kl_coef else None
-        rewards = losses.token_rewards(scored.rewards, mask, kl, a.kl_coef)
-        values = critic_lib.values_of(self.trainee.model, batch, self.cfg) * mask
+        mask = batch.loss_mask
+        kl = losses.kl_penalty(batch.rollout_logp, batch.ref_logp, a.kl_estimator) if a.kl_coef else None
+        rewards = losses.token_rewards(scored.shaped, mask, kl, a.kl_coef)
+        values = critic_lib.values_of(self.trainee.model, batch.tensors(), self.cfg) * mask
         advantages, returns = losses.gae(rewards, values, mask, p.gamma, p.lam)
-        batch["old_values"], batch["returns"] = values, returns.float()
+        batch.old_values, batch.returns = values, returns.float()
         if p.whiten_advantages:
-            advantages = losses.whiten(advantages, mask, grpo.dp_sum)
+            advantages = losses.whiten(advantages, mask, dp_sum)
         return advantages.float()
 
-    def train(self, batch: dict) -> dict:
-        keys = ("tokens", "loss_mask", "old_values", "returns")
-        sums, grad_norms = grpo.passes(self.trainee, self.critic_cfg, {k: batch[k] for k in keys},
-                                       partial(critic_lib.critic_loss, self.cfg.ppo.value_clip))
+    def train(self, batch: RLBatch) -> dict:
+        sums, grad_norms = optimizer_passes(self.trainee, self.critic_cfg,
+                                            batch.tensors("tokens", "loss_mask", "old_values", "returns"),
+                                            partial(critic_lib.critic_loss, self.cfg.ppo.value_clip))
         return critic_lib.critic_metrics(sums, grad_norms)
 
     def warming_up(self, step: int) -> bool:

@@ -11,7 +11,6 @@ global number of pairs. Every train.eval_every steps (and at the start and end) 
 the validation pairs, with the accuracy per 'kind' of pair where the rows carry one.
 """
 
-import time
 from functools import partial
 from pathlib import Path
 
@@ -20,12 +19,10 @@ import torch
 from megatron_rl import losses
 from megatron_rl.config import Config
 from megatron_rl.data import preference
-from megatron_rl.data.sft import Batches
 from megatron_rl.training.heads import scores_at
-from megatron_rl.training.loop import (due, dp_share, finish, save_if_due, schedule_metrics, start_log, train_step,
+from megatron_rl.training.run import Run
+from megatron_rl.training.step import (cp_sum_straight_through, dp_share, first_cp_rank, schedule_metrics, train_step,
                                        validation_report)
-from megatron_rl.training.setup import build_trainee, load_initial_state, write_run_assets
-from megatron_rl.training.step import cp_sum_straight_through, first_cp_rank
 
 
 def rm_loss(cfg: Config, kinds: list[str], batch: dict, scores: torch.Tensor):
@@ -67,39 +64,18 @@ def evaluate(trainee, cfg: Config, val: dict, kinds: list[str]) -> dict:
 
 
 def run(cfg: Config, run_dir: Path) -> dict:
-    from megatron.core import parallel_state as ps
-
     data = preference.prepare(cfg, run_dir)
-    trainee = build_trainee(cfg)
-    latest, state = load_initial_state(trainee, cfg, run_dir)
-    assets = write_run_assets(cfg, run_dir, data.tokenizer)
-    step = state["step"] if state else 0
-    batches = Batches(data.train, cfg.data.global_batch_size, cfg.data.seed, ps.get_data_parallel_rank(),
-                      ps.get_data_parallel_world_size())
-    if state:
-        batches.load_state_dict(state["extra"]["data"])
-    log, prof = start_log(cfg, run_dir, step, latest, trainee)
-    log.write(data.note)
+    run = Run(cfg, run_dir, data.tokenizer, data.train, cfg.data.global_batch_size)
+    run.log.write(data.note)
     loss_fn = partial(rm_loss, cfg, data.kinds)
-    if step == 0 and data.val is not None:
-        log.log(0, {**evaluate(trainee, cfg, data.val, data.kinds), **data.truncated()})
-    metrics = {}
-    while step < cfg.train.max_steps:
-        prof.step(step)
-        t0 = time.perf_counter()
-        with prof.range("train"):
-            r, grad_norm = train_step(trainee, preference.pair_microbatches(batches.next(), cfg.data.micro_batch_size),
-                                      loss_fn)
-        step += 1
-        dt = time.perf_counter() - t0
-        metrics = {**metrics_of(r, "train"), "train/grad_norm": grad_norm,
-                   **schedule_metrics(trainee), "perf/step_time_s": dt,
-                   "perf/tokens_per_s": 2 * cfg.data.global_batch_size * cfg.data.seq_length / dt}
-        is_last = step == cfg.train.max_steps
-        if data.val is not None and due(step, cfg.train.eval_every, is_last):
-            with prof.range("eval"):
-                metrics.update(evaluate(trainee, cfg, data.val, data.kinds))
-        log.log(step, metrics)
-        if save_if_due(cfg, trainee, run_dir, step, is_last, batches.state_dict(), assets, log):
-            break
-    return finish(cfg, trainee, run_dir, assets, log, prof, metrics, plot=["train/loss", "val/accuracy"])
+
+    def step() -> dict:
+        with run.phase("train"):
+            micro = preference.pair_microbatches(run.data.next(), cfg.data.micro_batch_size)
+            r, grad_norm = train_step(run.trainee, micro, loss_fn)
+        seconds = run.prof.last["train"]
+        return {**metrics_of(r, "train"), "train/grad_norm": grad_norm, **schedule_metrics(run.trainee),
+                "perf/step_time_s": seconds, "perf/tokens_per_s": 2 * cfg.data.global_batch_size * cfg.data.seq_length / seconds}
+
+    validate = (lambda: evaluate(run.trainee, cfg, data.val, data.kinds)) if data.val is not None else None
+    return run.loop(step, validate, first=data.truncated(), plot=["train/loss", "val/accuracy"])

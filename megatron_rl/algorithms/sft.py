@@ -7,7 +7,7 @@ teacher forcing: greedy decoding reproduces the reference exactly iff every refe
 eos included, is the argmax given the reference prefix).
 """
 
-import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -16,10 +16,9 @@ from megatron_rl.config import Config
 from megatron_rl.data import sft as sft_data
 from megatron_rl.data.tasks import data_files
 from megatron_rl.training.logprobs import argmax_equals, mask_padded_vocab, token_logprobs
-from megatron_rl.training.loop import (due, dp_share, finish, save_if_due, schedule_metrics, start_log, train_step,
+from megatron_rl.training.run import Run
+from megatron_rl.training.step import (cp_sum, dp_share, first_cp_rank, make_microbatches, schedule_metrics, train_step,
                                        validation_report)
-from megatron_rl.training.setup import build_trainee, load_initial_state, write_run_assets
-from megatron_rl.training.step import cp_sum, first_cp_rank, make_microbatches
 
 
 def sft_loss(vocab_size: int, batch: dict, logits: torch.Tensor):
@@ -49,58 +48,26 @@ def prepare_data(cfg: Config, run_dir: Path):
 
 
 def evaluate(trainee, cfg: Config, val: dict) -> dict:
-    from functools import partial
-
     micro = make_microbatches(cfg, dp_share(val), cfg.data.micro_batch_size)
     r = validation_report(trainee, micro, partial(sft_loss, cfg.model.vocab_size))
     return {"val/loss": r["loss_sum"] / max(r["tokens"], 1), "val/accuracy": r["correct"] / max(r["samples"], 1)}
 
 
 def run(cfg: Config, run_dir: Path) -> dict:
-    from functools import partial
-
-    from megatron.core import parallel_state as ps
-
     tokenizer, train, val = prepare_data(cfg, run_dir)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = len(tokenizer)
-    trainee = build_trainee(cfg)
-    batches = sft_data.Batches(train, cfg.data.global_batch_size, cfg.data.seed,
-                               ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
-    latest, state = load_initial_state(trainee, cfg, run_dir)
-    assets = write_run_assets(cfg, run_dir, tokenizer)
-    step = state["step"] if state else 0
-    if state:
-        batches.load_state_dict(state["extra"]["data"])
-
-    log, prof = start_log(cfg, run_dir, step, latest, trainee)
+    run = Run(cfg, run_dir, tokenizer, train, cfg.data.global_batch_size)
     loss_fn = partial(sft_loss, cfg.model.vocab_size)
-    best, stale, metrics = float("inf"), 0, {}
-    trainee.train()
-    while step < cfg.train.max_steps:
-        prof.step(step)
-        t0 = time.perf_counter()
-        with prof.range("train"):
-            r, grad_norm = train_step(trainee, make_microbatches(cfg, batches.next(), cfg.data.micro_batch_size), loss_fn)
-        step += 1
-        dt = time.perf_counter() - t0
-        metrics = {"train/loss": r["loss_sum"] / max(r["tokens"], 1),
-                   "train/accuracy": r["correct"] / max(r["samples"], 1),
-                   **schedule_metrics(trainee),
-                   "train/grad_norm": grad_norm, "perf/step_time_s": dt,
-                   "perf/tokens_per_s": cfg.data.global_batch_size * cfg.data.seq_length / dt}
-        is_last = step == cfg.train.max_steps
-        if val is not None and due(step, cfg.train.eval_every, is_last):
-            with prof.range("eval"):
-                metrics.update(evaluate(trainee, cfg, val))
-            if metrics["val/loss"] < best:
-                best, stale = metrics["val/loss"], 0
-            else:
-                stale += 1
-        log.log(step, metrics)
-        stop = cfg.algorithm.early_stop_patience and stale >= cfg.algorithm.early_stop_patience
-        if stop:
-            log.write(f"early stop at step {step}: val/loss has not improved for {stale} evaluations")
-        if save_if_due(cfg, trainee, run_dir, step, is_last or stop, batches.state_dict(), assets, log) or stop:
-            break
-    return finish(cfg, trainee, run_dir, assets, log, prof, metrics)
+    run.trainee.train()
+
+    def step() -> dict:
+        with run.phase("train"):
+            micro = make_microbatches(cfg, run.data.next(), cfg.data.micro_batch_size)
+            r, grad_norm = train_step(run.trainee, micro, loss_fn)
+        seconds = run.prof.last["train"]
+        return {"train/loss": r["loss_sum"] / max(r["tokens"], 1), "train/accuracy": r["correct"] / max(r["samples"], 1),
+                **schedule_metrics(run.trainee), "train/grad_norm": grad_norm, "perf/step_time_s": seconds,
+                "perf/tokens_per_s": cfg.data.global_batch_size * cfg.data.seq_length / seconds}
+
+    return run.loop(step, (lambda: evaluate(run.trainee, cfg, val)) if val is not None else None, validate_first=False)

@@ -31,6 +31,14 @@ class Rollout:
         return [len(c) for c in self.completions]
 
 
+def sampling_seed(base: int, step: int = 0, rank: int = 0, round: int = 0, batch: int = 0) -> int:
+    """The seed of one call to the engine's sampler: `base` (rollout.seed, or tools/eval.py's --seed) plus 7919
+    per training step, 1 per data-parallel rank, 104729 per round (a dynamic-sampling round, or a turn of a
+    multi-turn episode: both add theirs) and 1000003 per batch of prompts (tools/eval.py). Each call draws
+    from its own seed, the same at every layout with the same data-parallel ranks."""
+    return base + 7919 * step + rank + 104729 * round + 1000003 * batch
+
+
 class MegatronTokenizer:
     """The tokenizer interface megatron-core's inference stack calls, on a Hugging Face tokenizer."""
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rl.config import ConfigError
-from megatron_rl.rollout.engine import Rollout
+from megatron_rl.rollout.engine import Rollout, sampling_seed
 
 
 @dataclass
@@ -126,7 +126,7 @@ def run_episodes(engine, runner, tokenizer, prompts: list[list[int]], metadata: 
         if not active:
             break
         room = [budget - len(prompt[i]) - len(ids[i]) for i in active]
-        out = engine.generate([prompt[i] + ids[i] for i in active], n=1, seed=seed + 104729 * turn, greedy=greedy,
+        out = engine.generate([prompt[i] + ids[i] for i in active], n=1, seed=sampling_seed(seed, round=turn), greedy=greedy,
                               stops=[stop[i] for i in active],
                               max_new_tokens=[min(engine.cfg.max_new_tokens, r) for r in room], tape=tape,
                               routes=[routes[i] for i in active] if tape is not None and turn else None)

@@ -3,7 +3,7 @@ rollout engine, scored by a reward (exact match on the arithmetic task)."""
 
 import torch
 
-from megatron_rl.training.step import global_mean
+from megatron_rl.training.stats import global_mean
 
 
 def greedy_eval(engine, scorer, tokenizer, prompts: list[list[int]], metadata: list[dict], cfg=None) -> dict:

@@ -223,16 +223,6 @@ def share_with_pipeline(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def global_mean(values: dict[str, float], count: float) -> dict[str, float]:
-    """Sums over data-parallel ranks divided by the global count."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    t = torch.tensor([*values.values(), count], dtype=torch.float64)
-    dist.all_reduce(t, group=ps.get_data_parallel_group())
-    return {k: v / max(t[-1].item(), 1) for k, v in zip(values, t[:-1].tolist())}
-
-
 def reduce_reports(reports: list[dict]) -> dict[str, float]:
     """Sum report values over microbatches and data- and context-parallel ranks, then share them
     with every rank.
@@ -362,3 +352,35 @@ def zero_grads(trainee):
     for chunk in trainee.model:
         chunk.zero_grad_buffer()
     trainee.optimizer.zero_grad()
+
+
+def train_step(trainee, micro: list[dict], loss_fn) -> tuple[dict, float]:
+    """One optimizer step on the gradients of `micro`: (summed report, grad norm)."""
+    zero_grads(trainee)
+    report = reduce_reports(forward_backward(trainee, micro, loss_fn))
+    _, grad_norm = optimizer_step(trainee)
+    return report, grad_norm
+
+
+def validation_report(trainee, micro: list[dict], loss_fn) -> dict:
+    """The summed report of a forward-only pass over `micro` in eval mode (validation)."""
+    trainee.eval()
+    try:
+        with torch.no_grad():
+            return reduce_reports(forward_backward(trainee, micro, loss_fn, forward_only=True))
+    finally:
+        trainee.train()
+
+
+def schedule_metrics(trainee) -> dict:
+    """The learning rate now, and how many optimizer steps were skipped (non-finite) so far."""
+    return {"train/lr": trainee.scheduler.get_lr(trainee.optimizer.param_groups[0]),
+            "train/skipped_steps": trainee.skipped_steps}
+
+
+def dp_share(data: dict) -> dict:
+    """This data-parallel rank's share of a dict of equally long sequences (every size-th row)."""
+    from megatron.core import parallel_state as ps
+
+    rank, size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    return {k: v[rank::size] for k, v in data.items()}

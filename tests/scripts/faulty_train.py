@@ -16,11 +16,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import train  # noqa: E402
 from megatron_rl.platform import watchdog  # noqa: E402
-from megatron_rl.training import loop  # noqa: E402
+from megatron_rl.training import step as training_step  # noqa: E402
 
 rank = int(sys.argv[1])
 faults = {int(step): fault for fault, step in (f.split("@") for f in sys.argv[2].split(","))}
-optimizer_step, steps = loop.optimizer_step, [0]
+optimizer_step, steps = training_step.optimizer_step, [0]
 
 
 class SlowToPrint(RuntimeError):
@@ -43,6 +43,6 @@ def faulty(trainee):
     return optimizer_step(trainee)
 
 
-loop.optimizer_step = faulty
+training_step.optimizer_step = faulty
 if __name__ == "__main__":
     sys.exit(train.main(sys.argv[3:]))

@@ -18,7 +18,7 @@ def main():
     from megatron.core import parallel_state as ps
 
     from megatron_rl import platform
-    from megatron_rl.algorithms.grpo import train_on
+    from megatron_rl.training.policy import RLBatch, train_policy
     from megatron_rl.config import Config
     from megatron_rl.training.setup import build_trainee
 
@@ -33,11 +33,12 @@ def main():
     n, s = 32, 12
     batch = {"tokens": torch.randint(0, 20, (n, s), generator=g), "labels": torch.randint(0, 20, (n, s), generator=g),
              "loss_mask": (torch.rand(n, s, generator=g) > 0.4).float(),
-             "old_logp": -3.0 + 0.3 * torch.randn(n, s, generator=g), "advantages": torch.randn(n, generator=g)}
+             "old_logp": -3.0 + 0.3 * torch.randn(n, s, generator=g), "advantages": torch.randn(n, generator=g),
+             "rollout_logp": torch.zeros(n, s), "index": torch.arange(n)}
     rank, size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     share = n // size
     mine = {k: v[rank * share : (rank + 1) * share] for k, v in batch.items()}
-    out = train_on(trainee, cfg, mine)
+    out, _ = train_policy(trainee, cfg, RLBatch(**mine))
     if launch.rank == 0:
         print(json.dumps({"loss": out["train/loss"], "grad_norm": out["train/grad_norm"]}))
     dist.barrier()

@@ -44,9 +44,9 @@ def main():
 
     from megatron.core import parallel_state as ps
 
-    from megatron_rl.algorithms.grpo import logprobs_of, train_on
+    from megatron_rl.training.policy import RLBatch, logprobs_of, train_policy
     from megatron_rl.rollout.engine import RolloutEngine
-    from megatron_rl.rollout.routing import RoutingTape, pack_routes
+    from megatron_rl.training.routing import RoutingTape, pack_routes
     from megatron_rl.training.setup import build_trainee
 
     trainee = build_trainee(cfg)
@@ -101,7 +101,7 @@ def main():
                 used.append(bool(((experts == queued[0]).all(-1) | ~queued[1]).all()))
             return probs, experts
         layer.get_replay_topk = spy
-    train_on(trainee, cfg, batch, tape)
+    train_policy(trainee, cfg, RLBatch(**batch), tape)
     result["train_replay"] = counts()
     result["train_forwards_used_recorded"] = all(used) and len(used) > 0
 
