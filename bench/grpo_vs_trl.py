@@ -120,7 +120,7 @@ def run_ours(args) -> dict:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from megatron_rl import profiling
+    from megatron_rl.platform import profiling
 
     torch.set_num_threads(args.threads)
     meter = PhaseMeter()

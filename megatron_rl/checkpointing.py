@@ -24,6 +24,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_rl.config import ConfigError, UserError
+from megatron_rl import platform
+from megatron_rl.platform.job import RunStopped
 from model_providers.builder import is_adapter, unwrap
 
 MARKER = "complete"  # JSON: {"step": N, "files": {relative path: bytes}, "sha256": {...} with verify=full}
@@ -162,8 +165,7 @@ def _rng_state():
 
     state = {"python": random.getstate(), "numpy": np.random.get_state(),
              "torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+    state.update(platform.device_rng_state())
     pp, tp, dp = _layout()
     rank = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
             ps.get_data_parallel_rank())
@@ -179,12 +181,15 @@ def _set_rng_state(state: dict):
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    platform.set_device_rng_state(state)
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-class SaveFailed(RuntimeError):
+class CheckpointError(UserError, FileNotFoundError):
+    """A checkpoint (or run directory) that is missing, incomplete or damaged; the message names it."""
+
+
+class SaveFailed(RunStopped):
     """A checkpoint could not be written (a full disk): the run stops, its previous checkpoint intact."""
 
 
@@ -209,7 +214,6 @@ def _write(path: Path, state: dict, assets: str | Path | None, verify: str = "si
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-    from megatron_rl import platform
     from megatron_rl.hf.files import copy_assets
     from megatron_rl.platform import watchdog
 
@@ -305,7 +309,7 @@ def read_model_config(path: str | Path):
     _require_complete(Path(path))
     saved = dist_checkpointing.load_common_state_dict(str(path)).get("model_config")
     if saved is None:
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not record its model config (saved by an older version).")
+        raise CheckpointError(f"checkpoint {str(path)!r} does not record its model config (saved by an older version).")
     return ModelConfig(**saved)
 
 
@@ -333,7 +337,7 @@ def resolve(path: str | Path) -> Path:
     if not (path / MARKER).exists() and (path / "checkpoints").is_dir():
         latest = latest_checkpoint(path)
         if latest is None:
-            raise FileNotFoundError(f"run directory {str(path)!r} holds no complete checkpoint yet; train it further "
+            raise CheckpointError(f"run directory {str(path)!r} holds no complete checkpoint yet; train it further "
                                     f"or point at another run or a checkpoints/step_N directory.")
         if path not in _NAMED and (not dist.is_initialized() or dist.get_rank() == 0):
             print(f"{path}: its latest complete checkpoint, {latest.name}", flush=True)
@@ -349,15 +353,15 @@ _NAMED: set[Path] = set()  # run directories resolve() has named
 def _require_complete(path: Path):
     if not path.exists():
         near = sorted(p.name for p in path.parent.glob("step_*")) if path.parent.is_dir() else []
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist" + (
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist" + (
             f"; {path.parent} holds {', '.join(near[-3:])}" if near else "") + ".")
     if not (path / MARKER).exists():
-        raise FileNotFoundError(
+        raise CheckpointError(
             f"{str(path)!r} is not a complete megatron-rl checkpoint (no '{MARKER}' marker); "
             f"give a run directory or one of its checkpoints/step_N directories.")
     problem = damage(path)
     if problem:
-        raise FileNotFoundError(f"checkpoint {str(path)!r} is damaged: {problem}; load an earlier checkpoint "
+        raise CheckpointError(f"checkpoint {str(path)!r} is damaged: {problem}; load an earlier checkpoint "
                                 "(checkpoint.resume passes over damaged ones).")
 
 
@@ -374,7 +378,6 @@ def check_same_run(run_dir: str | Path, cfg):
     or model architecture) rather than mix the two; other settings (the learning rate...) may change."""
     import json
 
-    from megatron_rl.config import ConfigError
 
     path = Path(run_dir) / "config.json"
     if not path.exists():
@@ -398,7 +401,7 @@ def check_model_matches(path: str | Path, model):
         return
     diff = architecture_diff(saved, model)
     if diff:
-        raise ValueError(f"checkpoint {str(path)!r} holds a different model: model.{', model.'.join(diff[:4])}; "
+        raise ConfigError(f"checkpoint {str(path)!r} holds a different model: model.{', model.'.join(diff[:4])}; "
                          f"set those model.* fields to match.")
 
 
@@ -430,14 +433,14 @@ def load_weights(model_chunks: list, path: str | Path, head: str = "lm", lora=No
     holds adapters alone: the caller loads its base first. Returns whether it was one."""
     from megatron.core import dist_checkpointing
 
-    from megatron_rl.training.heads import starts_fresh
+    from model_providers.heads import starts_fresh
 
     _require_complete(Path(path))
     fresh = starts_fresh(saved_head(path), head, f"checkpoint {str(path)!r}")
     saved_adapters = {k: v for k, v in (saved_lora(path) or {}).items() if k != "base"}
     if saved_adapters and saved_adapters != lora_settings(lora):
         shown = " ".join(f"lora.{k}={','.join(v) if isinstance(v, list) else v}" for k, v in saved_adapters.items())
-        raise ValueError(f"checkpoint {str(path)!r} holds LoRA adapters: continue from it with {shown} (its adapters "
+        raise ConfigError(f"checkpoint {str(path)!r} holds LoRA adapters: continue from it with {shown} (its adapters "
                          f"are merged into the base first).")
 
     def kept(k):  # a LoRA checkpoint holds its adapters alone (the caller loaded its base); a fresh score
@@ -468,7 +471,7 @@ def load(trainee, path: str | Path) -> dict:
                "rng": _rng_state()}
     saved_distributed = common.get("distributed_optimizer", False)
     if saved_distributed != _is_distributed(trainee.optimizer):
-        raise ValueError(
+        raise ConfigError(
             f"checkpoint {str(path)!r} holds {'distributed' if saved_distributed else 'plain'} optimizer "
             f"state; resume with optimizer.distributed={str(saved_distributed).lower()}, or start from its "
             f"weights with a fresh optimizer via checkpoint.load.")

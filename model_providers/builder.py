@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from megatron_rl import platform
 from megatron_rl.config import ModelConfig, ParallelConfig
 
 VOCAB_MULTIPLE = 128
@@ -23,10 +24,13 @@ def unwrap(chunk):
     return chunk
 
 
+ADAPTERS = "_lora"
+"""megatron_rl/training/lora.py adds a layer's LoRA adapters as its sibling module `<layer>_lora`."""
+
+
 def is_adapter(name: str) -> bool:
-    """Whether a parameter's name is a LoRA adapter's: megatron_rl/training/lora.py adds a layer's adapters as
-    its sibling module `<layer>_lora`."""
-    return "_lora." in name
+    """Whether a parameter's (or a module's) name lies inside a layer's LoRA adapters."""
+    return f"{ADAPTERS}." in name
 
 
 def padded_vocab_size(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
@@ -41,7 +45,7 @@ def _fp8_kwargs(f) -> dict:
 
 
 def te_available() -> bool:
-    if not torch.cuda.is_available():
+    if not platform.has_cuda():
         return False
     try:
         import transformer_engine  # noqa: F401
@@ -157,9 +161,9 @@ class Provider:
             # posts sends and receives to a peer in an order that differs between the two sides, so
             # at PP=2 with a virtual pipeline (prev == next rank) an activation lands in a gradient's
             # buffer and vice versa. megatron's unbatched path orders them by even/odd rank.
-            batch_p2p_comm=torch.cuda.is_available(),
+            batch_p2p_comm=platform.has_cuda(),
             bf16=self.dtype == torch.bfloat16,
-            use_cpu_initialization=not torch.cuda.is_available(),
+            use_cpu_initialization=not platform.has_cuda(),
             # Fusions below need apex/TE kernels; the unfused torch paths are exact.
             gradient_accumulation_fusion=False,
             bias_activation_fusion=False,
@@ -211,8 +215,8 @@ class Provider:
         from megatron.core.transformer.transformer_layer import (MoETransformerLayer, TransformerLayer,
                                                                  TransformerLayerSubmodules)
 
-        from .attention import CoreAttention
-        from .norm import Norm
+        from megatron_rl.platform.attention import CoreAttention
+        from megatron_rl.platform.norm import Norm
 
         m = self.model
         spec = ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(
@@ -248,7 +252,7 @@ class Provider:
         pipeline stage."""
         from megatron.core.models.gpt import GPTModel
 
-        from megatron_rl.training.heads import score_model_class
+        from .heads import score_model_class
 
         m = self.model
         if m.hybrid_pattern:
@@ -297,9 +301,9 @@ def _swap_modules(spec, local: bool):
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from .attention import CoreAttention
+    from megatron_rl.platform.attention import CoreAttention
     from .latent_attention import LatentCacheMLASelfAttention
-    from .norm import Norm
+    from megatron_rl.platform.norm import Norm
 
     swaps = {MLASelfAttention: LatentCacheMLASelfAttention}
     if local:

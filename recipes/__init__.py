@@ -77,3 +77,39 @@ def get_recipe(name: str) -> Config:
     cfg = _REGISTRY[name]()
     cfg.recipe = name
     return cfg
+
+
+def print_recipes() -> None:
+    """--list-recipes: each family's recipes with their summaries."""
+    import textwrap
+
+    for family, recipes in recipes_by_family().items():
+        print(f"{family}:")
+        for name, doc in recipes.items():
+            print(textwrap.fill(doc, 120, initial_indent=f"  {name:28s} ", subsequent_indent=" " * 31))
+
+
+def resolve_config(recipe: str, overrides: list[str], launch, print_only: bool = False) -> Config:
+    """A run's Config: the recipe, the overrides, W&B's environment variables, the HF checkpoint's
+    architecture and what the model needs, validated; the lines saying what was taken go to stderr. A
+    recipe only printed from one process is checked against its own layout (a cluster recipe can be
+    read on a laptop); a run is checked against the processes launched."""
+    import os
+    import sys
+
+    from megatron_rl.config import apply_overrides
+
+    cfg = apply_overrides(get_recipe(recipe), overrides)
+    if not print_only:
+        check_needs(cfg)  # hf_sft: model.hf_path
+    notes = cfg.logging.take_environment(os.environ)  # W&B's own variables fill what the config leaves empty
+    if cfg.model.hf_path:  # the HF checkpoint's config.json sets the architecture
+        from megatron_rl.hf import resolve_model
+
+        cfg.model = resolve_model(cfg.model)
+    notes += cfg.fit_to_model({item.split("=", 1)[0] for item in overrides})
+    if launch.rank == 0:
+        for line in notes:
+            print(line, file=sys.stderr)
+    single_print = print_only and launch.world_size == 1
+    return cfg.validate(world_size=cfg.parallel.recipe_world_size() if single_print else launch.world_size)

@@ -12,7 +12,7 @@ import pytest
 from megatron_rl.config import Config, ConfigError
 from megatron_rl.environments import (EnvRunner, Environment, RewardEnvironment, Turn, check_environment,
                                       load_environment)
-from megatron_rl.environments import puzzle
+from megatron_rl.data import puzzle
 from megatron_rl.environments.sandbox import isolation
 
 

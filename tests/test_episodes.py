@@ -135,12 +135,12 @@ def test_chat_observations_are_what_the_template_renders_between_turns(one_proce
 @pytest.mark.parametrize("fixed_keys", [True, False], ids=["fixed", "own"])
 def test_long_episodes_logprobs_match_training(one_process, tmp_path, monkeypatch, fixed_keys):
     """Episodes of 200-300 tokens, trained as rows of data.seq_length = 320: every turn's re-prefill
-    and decode attend over the training length (model_providers/attention.py ONE_PASS_KEYS), and the
+    and decode attend over the training length (megatron_rl/platform/attention.py ONE_PASS_KEYS), and the
     rollout log-probs agree with the training forward's within 2e-6 (measured 1.2e-6; single-turn
     rollouts get the same bound). Over each request's own keys instead they differ more (7.6e-6 here;
     1.3e-5 in a trained puzzle run at 288 tokens)."""
     from megatron_rl.rollout.episodes import run_episodes
-    from model_providers import attention
+    from megatron_rl.platform import attention
 
     seq = 320
     tok, chunks, engine = random_char_engine(tmp_path, max_new_tokens=12, seq_length=seq)

@@ -444,6 +444,20 @@ def test_a_failed_dead_or_frozen_rank_stops_every_rank(fault, tmp_path):
         assert "faulty_train.py\", line" in err  # the frozen rank's stacks
 
 
+
+def test_a_bug_is_reported_with_its_traceback_and_keeps_the_run(tmp_path):
+    """Only a UserError is a user's mistake (one sentence, exit 2, a fresh run directory removed): a
+    ValueError from deep inside the step (a bug) prints its traceback, exits 1 and keeps the run directory
+    with the steps it logged. The old train.py took every ValueError for a user error."""
+    run_dir = tmp_path / "run"
+    proc = _start(["0", "value_error@3", "--recipe", "tiny_sft", *FAST, "train.max_steps=20", "checkpoint.save=false",
+                   f"logging.run_dir={run_dir}"], script="tests/scripts/faulty_train.py")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, (proc.returncode, err[-3000:])
+    assert "Traceback (most recent call last)" in err and "ValueError: injected bug on rank 0 at step 3" in err
+    assert "error: injected bug" not in err
+    assert run_dir.exists() and len(metrics(run_dir)) == 2
+
 GRPO_QUICK = ["checkpoint.load=", "data.num_train=2000", "algorithm.prompts_per_step=8", "rollout.n=4", "data.micro_batch_size=16",
               "rewards.overlong_buffer=2", "train.eval_every=0", "data.num_val=16", "scheduler.decay_steps=100",
               "logging.progress=false", "logging.tensorboard=false"]

@@ -101,7 +101,7 @@ def test_packed_attention_in_one_call_as_on_cuda(monkeypatch):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnMaskType
 
-    from model_providers.attention import CoreAttention, packed_plan
+    from megatron_rl.platform.attention import CoreAttention, packed_plan
 
     config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16)
     attention = CoreAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal).eval()

@@ -8,7 +8,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_rl.platform import paged_attention
-from model_providers.attention import CoreAttention
+from megatron_rl.platform.attention import CoreAttention
 
 pytestmark = pytest.mark.cpu_only("bit-for-bit agreement of torch's CPU attention kernel with itself")
 
@@ -101,7 +101,7 @@ def test_long_sequences_attend_over_the_training_length(monkeypatch):
     """Beyond attention.ONE_PASS_KEYS keys, torch's CPU kernel sums a token's attention in an order
     that depends on the key count: decode and prefill then run over exactly the training forward's
     length (attention.training_keys), whatever each request's own length, and agree bit for bit."""
-    from model_providers import attention
+    from megatron_rl.platform import attention
 
     seq = 288
     monkeypatch.setattr(attention, "training_keys", seq)

@@ -59,7 +59,8 @@ def test_scores_match_transformers_with_either_padding(family, pad_is_eos, one_p
     the rightmost non-pad token (the token before eos when pad == eos), right- or left-padded."""
     from transformers import AutoTokenizer
 
-    from megatron_rl.training.heads import score_positions, score_sequences
+    from megatron_rl.training.heads import score_sequences
+    from model_providers.heads import score_positions
 
     path = save_tiny_model(family, tmp_path / family, reward_model=True, pad_is_eos=pad_is_eos)
     tok = AutoTokenizer.from_pretrained(str(path))
@@ -115,7 +116,7 @@ def test_causal_lm_starts_a_reward_model_and_not_the_reverse(one_process, tmp_pa
     starts with a fresh head; a language model is never started from a reward model."""
     from megatron_rl.config import ConfigError
     from megatron_rl.hf import resolve_model
-    from megatron_rl.training.heads import HEAD_SEED
+    from model_providers.heads import HEAD_SEED
 
     lm = save_tiny_model("llama", tmp_path / "lm", seed=1)
     chunks, _ = load_reward_model(lm, head="score")

@@ -1,5 +1,6 @@
-"""The package's structure: no import cycles (read from the source, every import, at module level or
-inside a function), and every config section found by its class's name."""
+"""The package's structure: no import cycles and no import up the layers (read from the source, every
+import, at module level or inside a function), devices asked of the platform only, and every config
+section found by its class's name."""
 
 import ast
 import dataclasses
@@ -75,6 +76,27 @@ def test_no_import_cycles():
         " <-> ".join(c) + ": " + ", ".join(f"{a} -> {b}" for a in c for b in sorted(graph[a]) if b in c) for c in found)
 
 
+LAYERS = [("megatron_rl", "megatron_rl.config", "megatron_rl.losses"), ("megatron_rl.platform",), ("model_providers",),
+          ("megatron_rl.data", "megatron_rl.hf", "megatron_rl.checkpointing", "megatron_rl.logging"),
+          ("megatron_rl.training",), ("megatron_rl.rollout", "megatron_rl.environments"),
+          ("megatron_rl.algorithms", "megatron_rl.plan", "recipes")]
+"""docs/architecture.md's layers, bottom to top: a module imports from its own layer or below."""
+
+
+def layer(module: str) -> int:
+    """The layer of the longest prefix of `module` that LAYERS names."""
+    found = [(len(name), i) for i, names in enumerate(LAYERS) for name in names
+             if module == name or module.startswith(name + ".")]
+    return max(found)[1]
+
+
+def test_imports_go_down_the_layers():
+    graph = import_graph()
+    upward = [f"{a} -> {b}" for a in sorted(graph) for b in sorted(graph[a]) if layer(b) > layer(a)]
+    assert not upward, "imports up the layers:\n" + "\n".join(upward)
+    assert layer("megatron_rl.training.policy") == 4 and layer("megatron_rl.losses") == 0
+
+
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
@@ -88,3 +110,17 @@ def test_every_section_is_named_by_its_class():
     for f in dataclasses.fields(Config):
         if f.name != "recipe":
             assert section_of(getattr(cfg, f.name)) == f.name
+
+
+def test_devices_are_asked_of_the_platform_only():
+    """torch.cuda is read in megatron_rl/platform/ only (the rest asks platform.traits(), has_cuda(),
+    device()); every other module of the package, the model providers and recipes leave it alone."""
+    found = []
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            if path.is_relative_to(ROOT / "megatron_rl" / "platform"):
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute) and node.attr == "cuda" and getattr(node.value, "id", "") == "torch":
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, f"torch.cuda outside platform/: {found}"

@@ -25,6 +25,7 @@ from megatron_rl.data import preference
 from megatron_rl.environments.rewards import build_scorer
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.evaluate import greedy_eval
+from megatron_rl.rollout.policy_samples import wrong_answer_sampler
 from megatron_rl.training.logprobs import mask_padded_vocab, token_logprobs
 from megatron_rl.training.lora import adapters_off
 from megatron_rl.training.reference import build_reference, cache_key, cached, weight_bytes
@@ -159,7 +160,7 @@ class Lazy:
 
 
 def run(cfg: Config, run_dir: Path) -> dict:
-    data = preference.prepare(cfg, run_dir)
+    data = preference.prepare(cfg, run_dir, wrong_answer_sampler)
     run = Run(cfg, run_dir, data.tokenizer, data.train, cfg.data.global_batch_size)
     run.log.write(data.note)
     reference = Lazy(lambda: build_reference(cfg, run.trainee, resumed=run.resumed_from is not None))

@@ -19,10 +19,11 @@ import torch
 from megatron_rl import losses
 from megatron_rl.config import Config
 from megatron_rl.data import preference
-from megatron_rl.training.heads import scores_at
+from megatron_rl.rollout.policy_samples import wrong_answer_sampler
 from megatron_rl.training.run import Run
 from megatron_rl.training.step import (cp_sum_straight_through, dp_share, first_cp_rank, schedule_metrics, train_step,
                                        validation_report)
+from model_providers.heads import scores_at
 
 
 def rm_loss(cfg: Config, kinds: list[str], batch: dict, scores: torch.Tensor):
@@ -64,7 +65,7 @@ def evaluate(trainee, cfg: Config, val: dict, kinds: list[str]) -> dict:
 
 
 def run(cfg: Config, run_dir: Path) -> dict:
-    data = preference.prepare(cfg, run_dir)
+    data = preference.prepare(cfg, run_dir, wrong_answer_sampler)
     run = Run(cfg, run_dir, data.tokenizer, data.train, cfg.data.global_batch_size)
     run.log.write(data.note)
     loss_fn = partial(rm_loss, cfg, data.kinds)

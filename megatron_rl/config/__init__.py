@@ -6,7 +6,7 @@ rewrites a value.
 """
 
 from .algorithm import AlgorithmConfig
-from .base import ConfigError
+from .base import ConfigError, UserError
 from .data import DataConfig
 from .distill import DistillConfig
 from .lora import LoRAConfig
@@ -23,4 +23,4 @@ from .tree import Config
 
 __all__ = ["AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistillConfig", "FP8Config", "LoggingConfig", "LoRAConfig",
            "MOVED", "ModelConfig", "OptimizerConfig", "ParallelConfig", "PPOConfig", "ProfilingConfig", "RewardsConfig",
-           "RolloutConfig", "SandboxConfig", "SchedulerConfig", "TrainConfig", "all_keys", "apply_overrides", "from_dict"]
+           "RolloutConfig", "SandboxConfig", "SchedulerConfig", "TrainConfig", "UserError", "all_keys", "apply_overrides", "from_dict"]

@@ -1,8 +1,16 @@
-"""What every section shares: the error a user mistake raises, and the check for positive fields."""
+"""What every section shares: the errors a user mistake raises, and the check for positive fields."""
 
 
-class ConfigError(ValueError):
-    """A user mistake in a recipe or an override; the message says how to fix it."""
+class UserError(Exception):
+    """Something the user can fix (a recipe, an override, a data file, a checkpoint path, the launch): its
+    message is one sentence saying what, where and how to fix it. train.py prints that sentence alone, exits
+    2 and removes the run directory it had just made. Any other exception is a bug: train.py prints its
+    traceback and keeps the run directory."""
+
+
+class ConfigError(UserError, ValueError):
+    """A user mistake in a recipe, an override, or what they name (a path, a checkpoint); the message says
+    how to fix it."""
 
 
 def section_of(obj) -> str:

@@ -7,6 +7,10 @@ from typing import Literal
 
 from .base import ConfigError, positive
 
+NEGATIVES = ("plus1", "minus1", "plus10", "minus10", "random", "policy")
+"""Kinds of wrong answer a preference pair's rejected response can be: off by +-1 or +-10, a random
+number, or ('policy') a wrong answer sampled from the starting policy itself."""
+
 
 @dataclass(kw_only=True)
 class DataConfig:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from .algorithm import AlgorithmConfig
 from .base import ConfigError, positive
-from .data import DataConfig
+from .data import NEGATIVES, DataConfig
 from .distill import DistillConfig
 from .lora import LoRAConfig
 from .model import ModelConfig
@@ -219,8 +219,6 @@ class Config:
         if min(d.max_prompt_length, d.max_completion_length) < 0:
             raise ConfigError("data.max_prompt_length and data.max_completion_length must be >= 0 (0: no limit).")
         if a.name in ("dpo", "rm") and d.task == "arithmetic":
-            from megatron_rl.data.arithmetic import NEGATIVES
-
             unknown = sorted(set(d.negatives) - set(NEGATIVES))
             if unknown or not d.negatives or min(d.negatives.values()) < 0 or not sum(d.negatives.values()):
                 raise ConfigError(f"data.negatives={d.negatives} must give non-negative weights (not all 0) to kinds "

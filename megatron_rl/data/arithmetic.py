@@ -11,6 +11,8 @@ import random
 import zlib
 from pathlib import Path
 
+from megatron_rl.config.data import NEGATIVES
+
 ALPHABET = "0123456789+="
 OPS = {"+": "add", "-": "sub"}  # operation -> the name rows of several operations carry in 'teacher'
 TOOL_CHARS = "*<>/()cdeilnoprstu"  # what '<code>print(a*b)</code><result>...</result>' adds
@@ -101,9 +103,6 @@ def held_out(prompt: str, seed: int) -> bool:
     return zlib.crc32(f"{seed}:{prompt}".encode()) % HELD_OUT == 0
 
 
-NEGATIVES = ("plus1", "minus1", "plus10", "minus10", "random", "policy")
-"""Kinds of wrong answer a preference pair's rejected response can be: off by +-1 or +-10, a random
-number, or ('policy') a wrong answer sampled from the starting policy itself."""
 
 
 def wrong_answer(rng: random.Random, total: int, kind: str, digits: int) -> str:

@@ -148,7 +148,7 @@ def lm_tensors(pairs: list[Pair], seq_length: int, pad_id: int) -> dict[str, tor
 def score_tensors(pairs: list[Pair], seq_length: int, pad_id: int) -> dict[str, torch.Tensor]:
     """A reward model's tensors: tokens (N, 2, S) (the whole sequence, right-padded), score_pos (N, 2)
     (where transformers reads the score), margin (N,)."""
-    from megatron_rl.training.heads import score_positions
+    from model_providers.heads import score_positions
 
     n = len(pairs)
     tokens = torch.full((n, 2, seq_length), pad_id, dtype=torch.long)
@@ -186,13 +186,14 @@ class PreferenceData:
         return {"data/truncated_pairs": float(self.cut["train"]), "data/truncated_val_pairs": float(self.cut.get("val", 0))}
 
 
-def prepare(cfg, run_dir) -> PreferenceData:
+def prepare(cfg, run_dir, wrong_answers=None) -> PreferenceData:
     """Read, tokenize and tensorize the train and val pairs for a language model (DPO) or a score
-    model (reward model); sets model.vocab_size from the tokenizer when it is 0."""
+    model (reward model); sets model.vocab_size from the tokenizer when it is 0. wrong_answers: see
+    tasks.data_files."""
     from .sft import read_jsonl
     from .tasks import data_files
 
-    tokenizer, train_path, val_path = data_files(cfg, run_dir)
+    tokenizer, train_path, val_path = data_files(cfg, run_dir, wrong_answers)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = len(tokenizer)
     d, score = cfg.data, cfg.model.head == "score"

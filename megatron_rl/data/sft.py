@@ -10,8 +10,10 @@ from pathlib import Path
 
 import torch
 
+from megatron_rl.config import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """A malformed data file or row; the message names the file and line."""
 
 

@@ -24,8 +24,10 @@ def bpe_size(spec) -> int:
     return 0
 
 
-def data_files(cfg: Config, run_dir: Path):
-    """(tokenizer, train JSONL path, val JSONL path or None). Rank 0 writes, every rank returns."""
+def data_files(cfg: Config, run_dir: Path, wrong_answers=None):
+    """(tokenizer, train JSONL path, val JSONL path or None). Rank 0 writes, every rank returns. For DPO and
+    reward models the task's problems become preference pairs; wrong_answers(cfg, tokenizer) makes the
+    sampler of the 'policy' negatives (rollout/policy_samples.py wrong_answer_sampler)."""
     train_path, val_path = cfg.data.train_path, cfg.data.val_path or None
     tok_path = cfg.data.tokenizer or cfg.model.hf_path
     if cfg.data.task:
@@ -38,7 +40,7 @@ def data_files(cfg: Config, run_dir: Path):
         if dist.get_rank() == 0:
             d = cfg.data
             if d.task == "sliding_puzzle":
-                from megatron_rl.environments import puzzle
+                from . import puzzle
 
                 puzzle.write_splits(data_dir, d.num_train, d.num_val, d.board_size, d.scramble, d.seed, d.noise)
                 characters = puzzle.ALPHABET
@@ -58,25 +60,21 @@ def data_files(cfg: Config, run_dir: Path):
     dist.barrier()
     tokenizer = load_tokenizer(tok_path, cfg.data.pad_token)
     if cfg.data.task and cfg.algorithm.name in PREFERENCE_ALGORITHMS:
-        train_path, val_path = _preference_splits(cfg, tokenizer, train_path, val_path)
+        train_path, val_path = _preference_splits(cfg, tokenizer, train_path, val_path, wrong_answers)
     return tokenizer, train_path, val_path
 
 
 PREFERENCE_ALGORITHMS = ("dpo", "rm")
 
 
-def _preference_splits(cfg: Config, tokenizer, train_path: Path, val_path: Path) -> tuple[Path, Path]:
+def _preference_splits(cfg: Config, tokenizer, train_path: Path, val_path: Path, wrong_answers) -> tuple[Path, Path]:
     """The task's problems as preference pairs (pairs_train.jsonl, pairs_val.jsonl beside them):
     chosen the true answer, rejected a wrong one of the data.negatives mix. Wrong answers of the
     starting policy ('policy') are sampled collectively by every rank."""
     from . import arithmetic
     from .sft import read_jsonl
 
-    sampler = None
-    if "policy" in cfg.data.negatives:
-        from megatron_rl.rollout.policy_samples import wrong_answer_sampler
-
-        sampler = wrong_answer_sampler(cfg, tokenizer)
+    sampler = wrong_answers(cfg, tokenizer) if "policy" in cfg.data.negatives else None
     paths = train_path.with_name("pairs_train.jsonl"), val_path.with_name("pairs_val.jsonl")
     splits = []
     for offset, source in enumerate((train_path, val_path)):

@@ -50,7 +50,7 @@ def load_tokenizer(path: str | Path, pad_token: str = ""):
         raise ConfigError("data.train_path needs the model's tokenizer: set model.hf_path (a Hugging Face checkpoint, "
                           "whose tokenizer is used) or data.tokenizer.")
     if not Path(path).is_dir():
-        raise FileNotFoundError(f"tokenizer directory {str(path)!r} does not exist; set data.tokenizer to an HF tokenizer directory.")
+        raise ConfigError(f"tokenizer directory {str(path)!r} does not exist; set data.tokenizer to an HF tokenizer directory.")
     try:
         tok = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, TypeError, KeyError) as e:

@@ -73,7 +73,7 @@ def as_reward_model_config(hf_config: dict, pad_token_id) -> dict:
 
 def resolve_model(model: ModelConfig) -> ModelConfig:
     """The architecture from model.hf_path's config.json, keeping `model`'s training choices."""
-    from megatron_rl.training.heads import starts_fresh
+    from model_providers.heads import starts_fresh
 
     resolved = model_config_from_hf(model.hf_path)
     if resolved.head == "score" and model.head == "lm":
@@ -90,7 +90,7 @@ def import_hf(model_chunks: list, model: ModelConfig, path: str | Path, allow_pi
     from dataclasses import replace
 
     from model_providers import get_family
-    from megatron_rl.training.heads import starts_fresh
+    from model_providers.heads import starts_fresh
 
     family = get_family(model.family)
     checkpoint = HFCheckpoint(path, allow_pickle)

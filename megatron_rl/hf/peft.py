@@ -26,18 +26,17 @@ def _slices(model_chunks: list, model: ModelConfig):
     from model_providers import get_family
     from model_providers.mapping import rules_for
 
-    from model_providers.builder import unwrap
     from megatron_rl.hf.weights import canonical
-    from megatron_rl.training.lora import Adapters
+    from model_providers.builder import ADAPTERS, unwrap
 
     rules = [r for r in get_family(model.family).weight_rules(model) if r.kind != "expert"]
     for chunk in model_chunks:
         inner = unwrap(chunk)
         for local, mod in inner.named_modules():
-            if not isinstance(mod, Adapters):
+            if not local.endswith(ADAPTERS):  # a layer's adapters (training/lora.py Adapters)
                 continue
-            base = inner.get_submodule(local[: -len("_lora")])
-            name, _ = canonical(local[: -len("_lora")] + ".weight", base.weight, chunk, model)
+            base = inner.get_submodule(local.removesuffix(ADAPTERS))
+            name, _ = canonical(local.removesuffix(ADAPTERS) + ".weight", base.weight, chunk, model)
             found = rules_for(rules, name)
             hf = [n.removesuffix(".weight") for n in found[0][0].hf_names(found[0][1])] if found else []
             if len(hf) != len(mod.a):

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_rl.config import UserError
+
 
 def has_cuda() -> bool:
     return torch.cuda.is_available()
@@ -48,7 +50,7 @@ else:
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
-class LaunchError(ValueError):
+class LaunchError(UserError, ValueError):
     """The launcher's environment cannot start this job (one sentence for the user)."""
 
 
@@ -169,6 +171,48 @@ def check_cuda_connections(tp: int, cp: int, env=os.environ) -> str | None:
         return None
     return (f"warning: CUDA_DEVICE_MAX_CONNECTIONS is not 1 with tp={tp} cp={cp} on compute capability {major}.x "
             "(Ampere/Hopper): communication overlap suffers; export CUDA_DEVICE_MAX_CONNECTIONS=1 (slurm/env.sh does)")
+
+
+@dataclass(frozen=True)
+class DeviceTraits:
+    """What the rest of the code asks about the device this rank computes on, answered here only."""
+
+    cuda: bool  # a CUDA GPU: NCCL, bf16 by default, CUDA graphs, nvtx and nsys, Transformer Engine
+    device: torch.device
+
+    @property
+    def default_precision(self) -> str:
+        """train.precision=auto: bf16 on a GPU, fp32 on the CPU (whose bf16 GEMMs are slow and inexact)."""
+        return "bf16" if self.cuda else "fp32"
+
+
+def traits() -> DeviceTraits:
+    return DeviceTraits(has_cuda(), device())
+
+
+def device_rng_state() -> dict:
+    """The device's own random state beyond torch's CPU generator (the CUDA generator), for a checkpoint."""
+    return {"cuda": torch.cuda.get_rng_state()} if has_cuda() else {}
+
+
+def set_device_rng_state(state: dict) -> None:
+    if "cuda" in state and has_cuda():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def weights_unchanged():
+    """A stretch in which no weight changes (a rollout; one step's forward and backward): on the CPU,
+    oneDNN then reorders each weight once for the stretch instead of inside every GEMM (platform/cpu.py
+    packed_weights); elsewhere nothing."""
+    return _cpu.packed_weights()
+
+
+def set_training_length(seq_length: int) -> None:
+    """The training sequence length (data.seq_length), which CPU attention of long sequences runs over so
+    that rollouts agree with training bit for bit (platform/attention.py ONE_PASS_KEYS)."""
+    from . import attention
+
+    attention.training_keys = seq_length
 
 
 def device() -> torch.device:

@@ -235,7 +235,7 @@ def _mamba_stack_final_norm(module):
 
     if transformer_engine.HAVE_TE:
         return
-    from model_providers.norm import Norm
+    from megatron_rl.platform.norm import Norm
 
     module.TENorm = Norm
 
@@ -252,7 +252,7 @@ def _rotary_thd_without_host_reads(module):
     @functools.wraps(thd)
     def without_reads(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0,
                       cp_group=None):
-        from model_providers.attention import packed_positions
+        from megatron_rl.platform.attention import packed_positions
 
         if cp_group is None or cp_group.size() > 1:
             return thd(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)

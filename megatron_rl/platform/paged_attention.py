@@ -4,7 +4,7 @@ megatron-core's dynamic engine keeps the KV cache in fixed-size blocks and calls
 kernels: `flash_attn_varlen_func` (prefill: packed queries of several requests) and
 `flash_attn_with_kvcache` (decode: one query per request). These are vectorized torch versions
 with the same signatures: gather each request's blocks in use (whole blocks; or as many keys as
-the training forward's attention runs over, model_providers/attention.py ONE_PASS_KEYS), then one
+the training forward's attention runs over, megatron_rl/platform/attention.py ONE_PASS_KEYS), then one
 scaled_dot_product_attention call for the whole batch, masked by length (causal, aligned to the
 end of each request's keys).
 """
@@ -12,7 +12,7 @@ end of each request's keys).
 import torch
 import torch.nn.functional as F
 
-from model_providers.attention import fixed_keys, packed_positions
+from megatron_rl.platform.attention import fixed_keys, packed_positions
 
 
 def _gather_kv(k_cache, v_cache, block_table, length):

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_rl.config import RolloutConfig
-from megatron_rl.platform import cpu, watchdog
+from megatron_rl import platform
+from megatron_rl.platform import watchdog
 
 
 @dataclass
@@ -158,7 +159,7 @@ def _context_class():
         graphs like round sizes). On CPU that padding is pure cost once sequences finish: 1 active
         request would still compute 64 rows. Round to 8 there."""
 
-        if not torch.cuda.is_available():
+        if not platform.has_cuda():
             TOKEN_ROUNDER = 8
 
         def initialize_attention_state(self, **kwargs) -> None:
@@ -292,7 +293,7 @@ class RolloutEngine:
                     order.append(request_id)
             if tape is not None:
                 tape.start_recording(self.context, {k: routes[k // n] for k in order} if routes else None)
-            with torch.inference_mode(), cpu.packed_weights():  # no weight changes during a rollout
+            with torch.inference_mode(), platform.weights_unchanged():  # no weight changes during a rollout
                 while self.engine.has_unfinished_requests():
                     watchdog.beat("rollout")
                     for record in self.engine.step_modern()["finished_request_records"]:

@@ -1,4 +1,4 @@
-"""PPO's critic: a GPTModel with the reward model's scalar head (training/heads.py) read at every
+"""PPO's critic: a GPTModel with the reward model's scalar head (model_providers/heads.py) read at every
 position, trained by its own optimizer in the same SPMD program and parallel layout as the policy.
 
 Alignment: the value at position t is the critic's output at t, the state (tokens 0..t) from which the

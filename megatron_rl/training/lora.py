@@ -31,7 +31,7 @@ from contextlib import contextmanager
 import torch
 
 from megatron_rl.config import ConfigError, LoRAConfig
-from model_providers.builder import is_adapter, unwrap
+from model_providers.builder import ADAPTERS, is_adapter, unwrap
 
 
 class Adapters(torch.nn.Module):
@@ -177,7 +177,7 @@ def add_adapters(chunks: list, cfg: LoRAConfig, tconfig, model_cfg, seed: int, i
             column = isinstance(base, ColumnParallelLinear)  # its A splits the rank over TP (checked in Config)
             slices, layout = _slices(name, base, tconfig, tp)
             adapters = Adapters(base, slices, column, cfg, tconfig, layout)
-            parent.add_module(f"{name.rsplit('.', 1)[-1]}_lora", adapters)
+            parent.add_module(name.rsplit('.', 1)[-1] + ADAPTERS, adapters)
             base.register_forward_hook(_hook(adapters))
     if dist.is_initialized():
         dist.all_reduce(counts)
@@ -207,7 +207,7 @@ def init_adapters(chunks: list, model_cfg, seed: int):
                 continue
             canonical_name, place = canonical(name, p, chunk, model_cfg)
             with torch.no_grad():
-                if "_lora.b." in name:
+                if f"{ADAPTERS}.b." in name:
                     p.zero_()
                     continue
                 shape = list(p.shape)
@@ -260,7 +260,7 @@ def merge(chunks: list):
     with torch.no_grad():
         for chunk in chunks:
             for name, base, parent in list(_based(chunk)):
-                base.weight.add_(getattr(parent, f"{name}_lora").delta().to(base.weight.dtype))
+                base.weight.add_(getattr(parent, name + ADAPTERS).delta().to(base.weight.dtype))
 
 
 def merge_and_reset(chunks: list, model_cfg, seed: int):
@@ -275,7 +275,7 @@ def _based(chunk):
     for parent in chunk.modules():
         for child_name, child in parent.named_children():
             if isinstance(child, Adapters):
-                base_name = child_name[: -len("_lora")]
+                base_name = child_name.removesuffix(ADAPTERS)
                 yield base_name, getattr(parent, base_name), parent
 
 

@@ -23,6 +23,20 @@ from megatron_rl.platform import watchdog
 from megatron_rl.training.setup import build_trainee, load_initial_state, write_run_assets
 
 
+def check_launch(cfg: Config, run_dir: Path) -> None:
+    """What only a run needs, before anything starts: the device supports the settings, the run directory
+    holds this run (or none), and W&B can log in."""
+    from megatron_rl.checkpointing import check_same_run
+    from megatron_rl.platform.support import check_support
+
+    check_support(cfg)
+    check_same_run(run_dir, cfg)
+    if cfg.logging.wandb_project:
+        from megatron_rl.logging import check_wandb_login
+
+        check_wandb_login(cfg.logging.wandb_mode)
+
+
 def due(step: int, every: int, last: bool) -> bool:
     """Whether something done every `every` steps (0: only at the end) happens at `step`."""
     return last or bool(every and step % every == 0)
@@ -31,7 +45,7 @@ def due(step: int, every: int, last: bool) -> bool:
 def start_log(cfg: Config, run_dir: Path, step: int, resumed_from=None, trainee=None):
     """The run's logger (metrics.jsonl, TensorBoard, W&B, progress bar on rank 0) and a Profiler."""
     from megatron_rl.logging import RunLogger
-    from megatron_rl.profiling import Profiler
+    from megatron_rl.platform.profiling import Profiler
 
     g = cfg.logging
     wandb = dict(project=g.wandb_project, name=g.wandb_run or Path(run_dir).name, entity=g.wandb_entity or None,

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_rl import platform
 from megatron_rl.config import Config, ConfigError
 from megatron_rl.training import lora
 
@@ -13,7 +14,7 @@ def compute_dtype(cfg: Config) -> torch.dtype:
     """'auto' is bf16 on GPU and fp32 on CPU."""
     precision = cfg.train.precision
     if precision == "auto":
-        precision = "bf16" if torch.cuda.is_available() else "fp32"
+        precision = platform.traits().default_precision
     return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
@@ -46,14 +47,14 @@ def build_model(cfg: Config, wrap_ddp: bool = True, meta: bool = False, adapters
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
-    from model_providers import attention, get_family
+    from model_providers import get_family
     from model_providers.builder import Provider
 
     dtype = compute_dtype(cfg)
-    attention.training_keys = cfg.data.seq_length  # CPU attention of long sequences (attention.ONE_PASS_KEYS)
+    platform.set_training_length(cfg.data.seq_length)  # CPU attention of long sequences
     get_family(cfg.model.family)  # an unknown family is a clear error before anything is built
     provider = Provider(cfg.model, cfg.parallel, dtype, fp8=cfg.fp8, recompute=cfg.train.recompute,
-                        cuda_graphs=cfg.rollout.cuda_graphs and torch.cuda.is_available() and not meta)
+                        cuda_graphs=cfg.rollout.cuda_graphs and platform.has_cuda() and not meta)
     tconfig = provider.transformer_config()
     if meta:  # initialization on the meta device is free, and it marks which weights TP shards
         tconfig.use_cpu_initialization = True
@@ -75,9 +76,9 @@ def build_model(cfg: Config, wrap_ddp: bool = True, meta: bool = False, adapters
             for name, param in chunk.named_parameters():
                 if name.endswith("mlp.router.weight"):
                     param.requires_grad_(False)
-    if torch.cuda.is_available() and not meta:
+    if platform.has_cuda() and not meta:
         for chunk in chunks:
-            chunk.cuda(torch.cuda.current_device())
+            chunk.to(platform.device())
     if dtype != torch.float32:
         chunks = [Float16Module(tconfig, chunk) for chunk in chunks]
     if wrap_ddp:

@@ -15,7 +15,9 @@ from functools import partial
 
 import torch
 
-from megatron_rl.platform import cpu, device, watchdog
+from megatron_rl import platform
+from megatron_rl.platform import device, watchdog
+from megatron_rl.platform.job import RunStopped
 
 
 def cp_share(batch: dict) -> dict:
@@ -23,7 +25,7 @@ def cp_share(batch: dict) -> dict:
     positions it holds, per-sample tensors whole, and "positions" (S / cp,). Without context
     parallelism: the batch itself, with positions 0..S-1."""
     from megatron.core import parallel_state as ps
-    from model_providers.attention import load_balanced_positions
+    from megatron_rl.platform.attention import load_balanced_positions
 
     seq_len = batch["tokens"].shape[1]
     cp = ps.get_context_parallel_world_size()
@@ -42,7 +44,7 @@ def _cp_share_packed(batch: dict, cp: int, rank: int) -> dict:
     positions of the packed row (pack_mine: each sample's load-balanced chunks), and the output goes
     back to the whole (b, W) grid (pack_src -> pack_dst), the positions other ranks hold left 0 and
     out of the loss mask ("held"). Per-token sums then add up over the group as unpacked."""
-    from model_providers.attention import load_balanced_packed_positions
+    from megatron_rl.platform.attention import load_balanced_packed_positions
 
     device = batch["tokens"].device
     out = {**batch, "positions": torch.arange(batch["tokens"].shape[1], device=device)}
@@ -132,12 +134,12 @@ def make_microbatches(cfg, batch: dict, per_microbatch: int, flatten=None) -> li
 def _packed_inputs(host: dict) -> tuple:
     """A packed microbatch's model inputs, worked out on the host from its (CPU) index tensors: the
     samples' tokens as one row (data/packing.py), their positions, and the attention's
-    PackedSeqParams with the plan of its calls (model_providers/attention.py packed_plan); so
+    PackedSeqParams with the plan of its calls (megatron_rl/platform/attention.py packed_plan); so
     that the forward reads nothing from the device."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from megatron_rl.data.packing import packed_row
-    from model_providers.attention import packed_plan, packed_positions
+    from megatron_rl.platform.attention import packed_plan, packed_positions
 
     cu = host["pack_cu"]
     packed = packed_row(host["tokens"], host)
@@ -186,7 +188,7 @@ def forward_backward(trainee, micro: list[dict], loss_fn, forward_only: bool = F
     packed = "pack_cu" in micro[0]  # one row of all the samples' tokens (the same length on every stage)
     n_chunks = len(trainee.model)
     data = [iter(micro) for _ in range(n_chunks)] if n_chunks > 1 else iter(micro)
-    with cpu.packed_weights():  # no weight changes until the optimizer step
+    with platform.weights_unchanged():  # no weight changes until the optimizer step
         return get_forward_backward_func()(
             forward_step_func=partial(_forward_step, loss_fn),
             data_iterator=data,
@@ -272,7 +274,7 @@ def finalize_grads(model: list, num_tokens, pg_collection=None, force_all_reduce
         chunk.scale_gradients(scaling)
 
 
-class Diverged(RuntimeError):
+class Diverged(RunStopped):
     """Too many optimizer steps in a row had a non-finite loss or gradient norm."""
 
 

@@ -34,6 +34,8 @@ def faulty(trainee):
     fault = faults.get(steps[0]) if int(os.environ.get("RANK", "0")) == rank else None
     if fault in ("raise", "slow_raise"):
         raise (RuntimeError if fault == "raise" else SlowToPrint)(f"injected failure on rank {rank} at step {steps[0]}")
+    if fault == "value_error":  # a bug that happens to raise ValueError is not a user's mistake
+        raise ValueError(f"injected bug on rank {rank} at step {steps[0]}")
     if fault == "sleep":
         while True:
             time.sleep(1)
