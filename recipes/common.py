@@ -10,6 +10,8 @@ under Slurm (see slurm/):
         data.train_path=/data/math.jsonl
 """
 
+import dataclasses
+
 from megatron_rl.config import (AlgorithmConfig, Config, DataConfig, LoRAConfig, ModelConfig, OptimizerConfig,
                                 ParallelConfig, RewardsConfig, RolloutConfig, SchedulerConfig, TrainConfig)
 
@@ -51,8 +53,7 @@ def with_fp8(cfg: Config, gpu: str) -> Config:
 def on_gb200(cfg: Config, prompts_per_step: int = 0, **parallel) -> Config:
     """The GB200 (NVL72 trays of 4 GPUs, 186 GB each) variant of an H100 recipe: fewer, larger GPUs
     (`parallel` changes the layout; fewer data-parallel ranks may take fewer prompts a step), MXFP8."""
-    for name, value in parallel.items():
-        setattr(cfg.parallel, name, value)
+    cfg.parallel = dataclasses.replace(cfg.parallel, **parallel)  # a misspelled field is a TypeError
     cfg.algorithm.prompts_per_step = prompts_per_step or cfg.algorithm.prompts_per_step
     return with_fp8(cfg, "gb200")
 

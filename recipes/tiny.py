@@ -1,5 +1,7 @@
 """Tiny models on the built-in arithmetic task: fast on a 2-core CPU, used by the demo and tests."""
 
+import dataclasses
+
 from megatron_rl.config import (AlgorithmConfig, CheckpointConfig, Config, DataConfig, DistillConfig, ModelConfig,
                                 OptimizerConfig, PPOConfig, RolloutConfig, SchedulerConfig, TrainConfig)
 
@@ -69,8 +71,7 @@ def tiny_grpo() -> Config:
 def _tiny_variant(**algorithm) -> Config:
     """tiny_grpo with some algorithm fields changed."""
     cfg = tiny_grpo()
-    for name, value in algorithm.items():
-        setattr(cfg.algorithm, name, value)
+    cfg.algorithm = dataclasses.replace(cfg.algorithm, **algorithm)  # a misspelled field is a TypeError
     return cfg
 
 

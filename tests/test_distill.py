@@ -203,13 +203,15 @@ def test_each_sample_is_scored_by_the_teacher_its_row_names(monkeypatch):
     """MOPD's advantage: the named teacher's log-prob of each sampled token minus the student's (the
     rollout's), on response tokens only."""
     from megatron_rl.algorithms import distill
+    from megatron_rl.training.policy import RLBatch
 
     mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.0, 1.0, 1.0]])
     student = torch.tensor([[0.0, -1.0, -2.0], [0.0, -0.5, 0.0], [0.0, -3.0, -1.0]])
     teachers = {"add": torch.full((3, 3), -0.25), "sub": torch.full((3, 3), -4.0)}
     monkeypatch.setattr(distill, "logprobs_of", lambda chunks, batch, cfg, vocab: chunks)  # a teacher's log-probs
-    adv = distill.teacher_advantages(teachers, ["sub", "add", "add"], {"loss_mask": mask, "rollout_logp": student},
-                                     None, 15)
+    batch = RLBatch(tokens=torch.zeros(3, 3, dtype=torch.long), labels=torch.zeros(3, 3, dtype=torch.long),
+                    loss_mask=mask, rollout_logp=student, index=torch.arange(3))
+    adv = distill.teacher_advantages(teachers, ["sub", "add", "add"], batch, None, 15)
     assert adv.tolist() == [[0.0, -3.0, -2.0], [0.0, 0.25, 0.0], [0.0, 2.75, 0.75]]
 
 

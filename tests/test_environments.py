@@ -168,7 +168,8 @@ def test_tool_demonstrations_train_the_model_turns_only(tmp_path):
     """The code-tool task's episodes: each turn tokenized on its own (as rollouts append them), the tool's
     result out of the loss; on large problems the demonstrator often skips the tool and estimates."""
     from megatron_rl.data import arithmetic
-    from megatron_rl.data.sft import encode, read_jsonl
+    from megatron_rl.data.rows import read_rows
+    from megatron_rl.data.sft import encode
     from megatron_rl.data.tokenizer import build_char_tokenizer
 
     train, val = arithmetic.write_splits(tmp_path, 400, 20, 3, seed=0, noise=0.8, ops="*", tool="code")
@@ -187,7 +188,7 @@ def test_tool_demonstrations_train_the_model_turns_only(tmp_path):
     assert tok.convert_ids_to_tokens(list(range(3, 15))) == list("0123456789+=")  # append-only
     r = next(r for r in rows if r not in skipped)
     assert tok.pad_token_id not in tok("".join(t["content"] for t in r["turns"]))["input_ids"]  # no unknown characters
-    batch = encode(read_jsonl(train).keep([rows.index(r)]), tok, 80)
+    batch = encode(read_rows(train).keep([rows.index(r)]), tok, 80)
     ids = batch["labels"][0][batch["loss_mask"][0] > 0].tolist()
     trained = tok(r["turns"][0]["content"])["input_ids"] + tok(r["turns"][2]["content"])["input_ids"] + [tok.eos_token_id]
     assert ids == trained  # the tool's result is not trained on

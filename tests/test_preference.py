@@ -9,7 +9,7 @@ import pytest
 
 from megatron_rl.checkpointing import checkpoint_dir
 from megatron_rl.config import ConfigError, apply_overrides
-from megatron_rl.data.sft import DataError
+from megatron_rl.data.rows import DataError
 from recipes import get_recipe
 from tests.helpers import column, metrics, run_recipes, run_train
 

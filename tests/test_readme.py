@@ -1,6 +1,6 @@
-"""Every command the README shows runs here, so a documented command cannot break unseen.
+"""Every command the README and the docs show runs here, so a documented command cannot break unseen.
 
-train.py's and the tools' commands run in README order in one directory, as a reader's would (each
+train.py's and the tools' commands run in the order of PAGES in one directory, as a reader's would (each
 starts from what the ones before it wrote: tiny_grpo from tiny_sft's run, tiny_grpo_rm from tiny_rm's),
 training shortened to 2 steps on small splits, with stand-ins for the README's placeholders (HF_DIR: a
 tiny Hugging Face Llama; data files written from the arithmetic task; /path/to/hf/Qwen3-8B: the teacher
@@ -29,17 +29,26 @@ SHORT_EVAL = ["--max-new-tokens", "8"]
 CLUSTER = ("llama32_1b_grpo", "qwen25_32b_grpo")  # bf16, 4k-token sequences: checked, not run
 
 
+PAGES = ["README.md", "docs/getting-started.md", "docs/cluster.md", "docs/algorithms/sft.md", "docs/algorithms/grpo.md",
+         "docs/algorithms/ppo.md", "docs/algorithms/dpo.md", "docs/algorithms/reward-models.md",
+         "docs/algorithms/distillation.md", "docs/lora.md", "docs/environments.md", "docs/evaluation.md",
+         "docs/models.md", "docs/reliability.md", "docs/parallelism.md", "docs/platform.md", "docs/architecture.md",
+         "docs/testing.md", "docs/configuration.md"]
+"""The README, then the docs in the order a reader following the README's table would meet their
+commands (each may start from what an earlier one wrote: tiny_grpo from tiny_sft's run)."""
+
+
 def documented_commands() -> list[str]:
-    """The README's command lines (4-space code blocks starting with a launcher, after any VAR=value
-    settings), continuation lines joined, '&&' chains split, comments and optional [...] parts dropped,
-    in order."""
+    """The command lines of the README and the docs (4-space code blocks starting with a launcher, after
+    any VAR=value settings), continuation lines joined, '&&' chains split, comments and optional [...]
+    parts dropped, in order; a command a page repeats runs once."""
     commands = []
-    text = re.sub(r"\\\n\s*", " ", (ROOT / "README.md").read_text())
+    text = re.sub(r"\\\n\s*", " ", "\n".join((ROOT / page).read_text() for page in PAGES))
     for line in text.splitlines():
         words = [w for w in line.split() if not re.fullmatch(r"[A-Z_]+=\S*", w)]
         if line.startswith("    ") and words and words[0] in LAUNCHERS:
             line = re.sub(r"\[[^\]]*\]", "", " ".join(words).split(" # ")[0])
-            commands += [c.strip() for c in line.split("&&")]
+            commands += [c.strip() for c in line.split("&&") if c.strip() not in commands]  # each once
     return commands
 
 
@@ -190,4 +199,5 @@ def test_commands_are_read_from_code_lines(line, expected, monkeypatch, tmp_path
     readme = tmp_path / "README.md"
     readme.write_text(f"text python train.py\n\n{line}\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "PAGES", ["README.md"])
     assert documented_commands() == expected

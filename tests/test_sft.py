@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_rl.checkpointing import checkpoint_dir
-from megatron_rl.data.sft import Batches
+from megatron_rl.data.batches import Batches
 from tests.helpers import column, metrics, processes, run_train
 
 pytestmark = pytest.mark.fp32("rollout/training, layout and resume equalities at fp32 precision")
@@ -152,7 +152,7 @@ def test_a_run_directory_exports_and_encodes_as_it_trained(sft_run, tmp_path):
 
     import transformers
 
-    from megatron_rl.data.sft import prompt_ids
+    from megatron_rl.data.tokenizer import prompt_ids
     from megatron_rl.data.tokenizer import load_tokenizer
     from tests.helpers import run_tool
 

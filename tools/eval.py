@@ -174,7 +174,7 @@ def evaluate(args) -> dict:
     from tqdm import tqdm
 
     from megatron_rl.data.rl import encode_prompts
-    from megatron_rl.data.sft import read_jsonl, report_skipped
+    from megatron_rl.data.rows import read_rows, report_skipped
     from megatron_rl.data.tokenizer import load_tokenizer
     from megatron_rl.environments.rewards import build_scorer
     from megatron_rl.rollout.engine import RolloutEngine, sampling_seed
@@ -191,7 +191,7 @@ def evaluate(args) -> dict:
         raise ConfigError(f"{args.checkpoint or args.hf!r} is a reward model (a scalar head); evaluate a policy.")
     tokenizer = load_tokenizer(frozen.tokenizer_dir, cfg.data.pad_token)
     check_observation_format(cfg, tokenizer)
-    rows = read_jsonl(args.data)
+    rows = read_rows(args.data)
     if args.limit:
         rows = rows.keep(list(range(min(args.limit, len(rows)))))
     prompts, metadata = encode_prompts(rows, tokenizer, 1 << 30)
@@ -277,7 +277,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_rl import platform
     from megatron_rl.config import ConfigError
-    from megatron_rl.data.sft import DataError
+    from megatron_rl.data.rows import DataError
 
     try:
         launch = platform.read_launch()

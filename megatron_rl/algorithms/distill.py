@@ -90,7 +90,7 @@ def teacher_advantages(teachers: dict[str, list], names: list[str], batch: RLBat
     return (teacher_logp - batch.rollout_logp) * batch.loss_mask
 
 
-def vocabulary(model, tokenizer) -> int:
+def masked_from(model, tokenizer) -> int:
     """Ids from here on are masked in a model (its ModelConfig): megatron's padded rows and ids the tokenizer
     never makes."""
     return min(len(tokenizer), model.vocab_size)
@@ -151,7 +151,7 @@ class CrossTokenizer:
 
         self.cfg, self.tokenizer, self.teacher = cfg, tokenizer, teacher
         self.teacher_tokenizer = load_tokenizer(teacher.tokenizer_dir)
-        self.teacher_vocab = vocabulary(teacher.model, self.teacher_tokenizer)
+        self.teacher_vocab = masked_from(teacher.model, self.teacher_tokenizer)
         self.multiple = math.lcm(16, cfg.parallel.sequence_divisor())
 
     def batch(self, rollout) -> dict:
@@ -182,7 +182,7 @@ def run(cfg: Config, run_dir: Path) -> dict:
     run = Run(cfg, run_dir, tokenizer, {"index": torch.arange(len(train_prompts))}, cfg.algorithm.prompts_per_step)
     engine = RolloutEngine(run.trainee.model, cfg.model, tokenizer, r, compute_dtype(cfg))
     val_scorer = build_scorer(cfg, cfg.rewards.val_fn or cfg.rewards.fn, tokenizer) if val_prompts else None
-    vocab = vocabulary(cfg.model, tokenizer)
+    vocab = masked_from(cfg.model, tokenizer)
     loss_fn = partial(xtoken_loss if cross else distill_loss, cfg, vocab)
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
 

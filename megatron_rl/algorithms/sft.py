@@ -14,6 +14,7 @@ import torch
 
 from megatron_rl.config import Config
 from megatron_rl.data import sft as sft_data
+from megatron_rl.data.rows import read_rows, report_skipped
 from megatron_rl.data.tasks import data_files
 from megatron_rl.training.logprobs import argmax_equals, mask_padded_vocab, token_logprobs
 from megatron_rl.training.run import Run
@@ -40,10 +41,10 @@ def prepare_data(cfg: Config, run_dir: Path):
     """Tokenizer and encoded train/val tensors."""
     tokenizer, train_path, val_path = data_files(cfg, run_dir)
     skip = cfg.data.on_bad_row
-    train_rows, val_rows = sft_data.read_jsonl(train_path, skip), sft_data.read_jsonl(val_path, skip) if val_path else None
+    train_rows, val_rows = read_rows(train_path, skip), read_rows(val_path, skip) if val_path else None
     train = sft_data.encode(train_rows, tokenizer, cfg.data.seq_length)
     val = sft_data.encode(val_rows, tokenizer, cfg.data.seq_length) if val_rows else None
-    sft_data.report_skipped(train_rows, val_rows)
+    report_skipped(train_rows, val_rows)
     return tokenizer, train, val
 
 

@@ -12,7 +12,7 @@ class AlgorithmConfig:
     """Which loop in megatron_rl/algorithms/ runs: sft, grpo, dpo, rm (reward model), distill or ppo (with a
     critic; the clip, epochs, minibatches, KL and mismatch settings below apply to it as to GRPO)."""
     early_stop_patience: int = 0
-    """SFT: stop after this many evaluations without a better val/loss; 0 means never stop early."""
+    """Stop after this many evaluations without a better val/loss (SFT, DPO, reward models); 0 means never."""
     prompts_per_step: int = 32
     """GRPO: prompts per step over all data-parallel ranks; each gets rollout.n samples."""
     minibatches: int = 1
@@ -32,6 +32,8 @@ class AlgorithmConfig:
     """GRPO: weight of the KL penalty to the reference (the initial policy); 0 turns it and the
     reference model off."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """The per-token KL estimate to the reference: k1 (log ratio), k2 (half its square) or k3 (Schulman's unbiased,
+    non-negative)."""
     baseline: Literal["mean", "loo"] = "mean"
     """GRPO advantage baseline: the group mean, or leave-one-out (the mean of the other samples)."""
     std_normalization: Literal["group", "batch", "none"] = "group"
@@ -65,6 +67,7 @@ class AlgorithmConfig:
     """Weight each token's loss by p_train / p_rollout of the sampled tokens (per token or per
     sequence), truncated at mismatch_threshold or masked outside [1/threshold, threshold]."""
     mismatch_threshold: float = 2.0
+    """Mismatch correction: weights are truncated at it, or tokens masked outside [1/threshold, threshold]."""
     beta: float = 0.1
     """DPO: the strength of the implicit KL constraint to the reference (TRL's beta)."""
     preference_loss: Literal["sigmoid", "cdpo", "robust", "ipo", "hinge"] = "sigmoid"

@@ -19,6 +19,7 @@ class DataConfig:
     train_path: str = ""
     """JSONL (or .parquet) with {"prompt", "response"} or {"messages": [...]} rows."""
     val_path: str = ""
+    """Validation rows (JSONL or parquet); empty: no validation."""
     on_bad_row: Literal["fail", "skip"] = "fail"
     """A malformed row (bad JSON or UTF-8, a missing or mistyped field, too long): fail names it and
     stops; skip drops it, and the log says how many rows were dropped and where the first few were."""
@@ -33,6 +34,7 @@ class DataConfig:
     seq_length: int = 32
     """Tokens per sample after padding; longer samples are refused with their row number."""
     micro_batch_size: int = 16
+    """Samples per forward/backward (per rank); gradients accumulate over a global batch."""
     max_tokens_per_microbatch: int = 0
     """Sequence packing (SFT, GRPO, DPO): each microbatch holds as many samples as fit this many
     tokens, each padded only to a multiple of 16 (not to seq_length), in one row where no sample sees
@@ -42,6 +44,7 @@ class DataConfig:
     num_train: int = 20000
     """Samples to generate for a synthetic task's training split."""
     num_val: int = 256
+    """Built-in tasks: validation problems generated."""
     digits: int = 3
     """Arithmetic task: maximum digits per operand."""
     ops: str = "+"

@@ -16,10 +16,13 @@ class ModelConfig:
     family: str = "llama"
     """Model family in model_providers/: llama, qwen, mixtral, deepseek, nemotron."""
     num_layers: int = 2
+    """Transformer layers (with hybrid_pattern: its length)."""
     hidden_size: int = 64
+    """Width of the residual stream."""
     ffn_hidden_size: int = 256
     """Hidden size of dense MLPs."""
     num_attention_heads: int = 4
+    """Query heads per attention layer."""
     num_query_groups: int = 0
     """Key/value heads for GQA; 0 means as many as attention heads (plain multi-head attention)."""
     head_dim: int = 0
@@ -27,13 +30,17 @@ class ModelConfig:
     vocab_size: int = 0
     """0 means take it from the tokenizer. Padded internally to a multiple of 128."""
     max_position_embeddings: int = 4096
+    """The longest sequence the model is made for; data.seq_length is fit to it."""
     normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    """The norm of every layer and the final one."""
     zero_centered_gamma: bool = False
     """Norm weights stored as gamma - 1 (Nemotron's LayerNorm1P)."""
     norm_epsilon: float = 1e-6
+    """Epsilon of the norms."""
     activation: Literal["swiglu", "squared_relu", "gelu", "silu"] = "swiglu"
     """MLP activation; swiglu is the gated SiLU (gate and up projections)."""
     tie_embeddings: bool = False
+    """The output layer shares the input embedding's weights."""
     qk_layernorm: bool = False
     """RMSNorm on queries and keys per head (Qwen3); with MLA, the norms of the compressed q and kv."""
     qkv_bias: bool = False
@@ -41,10 +48,13 @@ class ModelConfig:
     sliding_window: int = 0
     """Attend to at most this many most recent tokens (Mistral); 0 means full causal attention."""
     rotary_base: float = 10000.0
+    """Rotary embeddings' base (theta)."""
     rotary_percent: float = 1.0
     """Share of each head's channels that get rotary embeddings (Nemotron: 0.5)."""
     rope_scaling: Literal["none", "llama3", "yarn"] = "none"
+    """Rotary scaling for long contexts: llama3's or YaRN's; none keeps the base frequencies."""
     rope_scaling_factor: float = 1.0
+    """How many times the pretrained context the scaling stretches to."""
     rope_low_freq_factor: float = 1.0
     """llama3 rope scaling."""
     rope_high_freq_factor: float = 4.0
@@ -52,28 +62,37 @@ class ModelConfig:
     rope_original_max_position: int = 8192
     """llama3 and yarn rope scaling: the context length the model was pretrained at."""
     yarn_beta_fast: float = 32.0
+    """YaRN rope scaling: the fast boundary of the interpolation ramp."""
     yarn_beta_slow: float = 1.0
+    """YaRN rope scaling: the slow boundary of the interpolation ramp."""
     yarn_mscale: float = 1.0
+    """YaRN rope scaling: the attention scale's coefficient."""
     yarn_mscale_all_dim: float = 0.0
+    """YaRN rope scaling: the attention scale's coefficient over all dimensions (DeepSeek-V3)."""
     multi_latent_attention: bool = False
     """DeepSeek's multi-latent attention (MLA); the q/kv sizes below apply."""
     q_lora_rank: int = 0
     """MLA: rank of the compressed query; 0 means queries are not compressed."""
     kv_lora_rank: int = 0
+    """Multi-latent attention: the rank of the compressed key/value latent (the cache holds it)."""
     qk_head_dim: int = 0
     """MLA: query/key channels per head without rotary embedding."""
     qk_pos_head_dim: int = 0
     """MLA: query/key channels per head with rotary embedding."""
     v_head_dim: int = 0
+    """Multi-latent attention: channels per value head."""
     num_experts: int = 0
     """Routed experts per MoE layer; 0 means a dense model."""
     moe_ffn_hidden_size: int = 0
+    """Hidden size of each expert's MLP."""
     moe_shared_ffn_hidden_size: int = 0
     """Hidden size of the shared experts (all of them together); 0 means none."""
     moe_first_dense_layers: int = 0
     """The first N layers are dense (DeepSeek's first_k_dense_replace)."""
     moe_topk: int = 2
+    """Experts each token is routed to."""
     moe_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """The router's scores: softmax over the experts, or sigmoid (DeepSeek-V3, Nemotron-H)."""
     moe_pre_softmax: bool = False
     """Softmax over all experts, then top-k, without renormalizing; false: softmax over the top-k."""
     moe_expert_bias: bool = False
@@ -83,10 +102,13 @@ class ModelConfig:
     moe_num_groups: int = 0
     """Group-limited routing: experts in this many groups, tokens routed within moe_group_topk of them."""
     moe_group_topk: int = 0
+    """Group-limited routing (DeepSeek-V3): tokens choose experts within this many of the groups; 0: off."""
     moe_topk_scaling_factor: float = 1.0
     """Routing weights are multiplied by this (DeepSeek-V3: 2.5)."""
     moe_aux_loss_type: Literal["none", "aux_loss", "seq_aux_loss", "global_aux_loss"] = "none"
+    """The load-balancing loss: none, aux_loss (per microbatch), seq_aux_loss (per sequence) or global_aux_loss."""
     moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss."""
     moe_router_dtype: Literal["fp32", "fp64", "model"] = "fp32"
     """Precision of the router's logits and probabilities; 'model' uses the model's dtype."""
     moe_router_frozen: bool = False
@@ -95,6 +117,7 @@ class ModelConfig:
     moe_capacity_factor: float = 0.0
     """Tokens per expert are capped at this factor times the even share; 0 means no dropping."""
     moe_dispatcher: Literal["allgather", "alltoall"] = "allgather"
+    """megatron's token dispatcher: allgather, or alltoall (expert parallelism across ranks)."""
     hybrid_pattern: str = ""
     """A hybrid model (Nemotron-H): one symbol per layer, 'M' Mamba-2, '*' attention (without
     rotary embeddings), '-' MLP, 'E' MoE (megatron's hybrid_override_pattern); empty: every layer is
@@ -102,13 +125,17 @@ class ModelConfig:
     mamba_num_heads: int = 0
     """Mamba-2 heads of a hybrid's Mamba layers (their inner width is heads x mamba_head_dim)."""
     mamba_head_dim: int = 64
+    """Mamba-2 layers: channels per head."""
     mamba_num_groups: int = 8
     """Groups sharing B and C (the key/value groups of Mamba-2)."""
     mamba_state_dim: int = 128
+    """Mamba-2 layers: the SSM state size per group."""
     mamba_conv_kernel: int = 4
+    """Mamba-2 layers: the causal convolution's width."""
     mamba_chunk_size: int = 128
     """Tokens per chunk of the chunked scan (an implementation choice; the result does not depend on it)."""
     init_method_std: float = 0.02
+    """Standard deviation of the random initialization (a model trained from scratch)."""
     hf_path: str = ""
     """A Hugging Face checkpoint directory: its config.json sets this section and its weights
     are loaded at the start (see tools/convert_checkpoint.py)."""

@@ -11,12 +11,19 @@ from .base import ConfigError, positive
 @dataclass(kw_only=True)
 class OptimizerConfig:
     name: Literal["adam", "sgd"] = "adam"
+    """adam (megatron's Adam, with decoupled weight decay) or sgd."""
     lr: float = 1e-3
+    """Peak learning rate (after warmup)."""
     min_lr: float = 0.0
+    """The learning rate at the end of the decay."""
     weight_decay: float = 0.0
+    """Decoupled weight decay."""
     beta1: float = 0.9
+    """Adam's first-moment decay."""
     beta2: float = 0.95
+    """Adam's second-moment decay."""
     eps: float = 1e-8
+    """Adam's epsilon."""
     clip_grad: float = 1.0
     """Clip the global gradient norm to this; 0 turns clipping off."""
     distributed: bool = False
@@ -60,6 +67,8 @@ class OptimizerConfig:
 @dataclass(kw_only=True)
 class SchedulerConfig:
     warmup_steps: int = 0
+    """Steps of linear warmup from 0 to optimizer.lr."""
     decay: Literal["cosine", "linear", "constant"] = "cosine"
+    """The decay after warmup, to optimizer.min_lr over decay_steps."""
     decay_steps: int = 0
     """Steps from the start to the end of decay; 0 means train.max_steps."""

@@ -14,11 +14,13 @@ class RolloutConfig:
     n: int = 8
     """Samples per prompt (the GRPO group size)."""
     temperature: float = 1.0
+    """Sampling temperature (greedy evaluation ignores it)."""
     top_p: float = 0.0
     """Nucleus sampling; 0 turns it off. Cannot be combined with top_k."""
     top_k: int = 0
     """Sample among the k most likely tokens; 0 turns it off."""
     max_new_tokens: int = 16
+    """The most tokens a sample (an episode's turn) generates."""
     stop: list[str] = field(default_factory=list)
     """Stop strings (comma-separated on the command line); eos always stops."""
     max_turns: int = 1
@@ -31,7 +33,9 @@ class RolloutConfig:
     chat template, with the end-of-turn tokens that close the model's turn and the generation prompt
     that opens its next one (prompts are then rendered with the same template)."""
     seed: int = 0
-    """Sampling seed; step s of a run samples with seed + s (and the data-parallel rank)."""
+    """Sampling seed: step s on data-parallel rank r samples with seed + 7919 s + r, plus 104729 per
+    dynamic-sampling round and per episode turn (rollout/engine.py sampling_seed), so a run is reproducible
+    at any layout with the same data-parallel size."""
     max_sequence_length: int = 256
     """Longest prompt + completion the engine's KV cache takes."""
     max_requests: int = 512
@@ -39,6 +43,7 @@ class RolloutConfig:
     max_tokens: int = 8192
     """Tokens per engine step (prefill chunks included)."""
     kv_cache_gb: float = 0.25
+    """Memory of the inference engine's paged KV cache (megatron's buffer_size_gb)."""
     block_size_tokens: int = 32
     """KV cache block size (paged attention)."""
     cuda_graphs: bool = True
@@ -78,6 +83,7 @@ class RewardsConfig:
     """DAPO's soft overlong penalty: completions longer than rollout.max_new_tokens minus this many
     tokens lose up to overlong_penalty, linearly; 0 turns it off."""
     overlong_penalty: float = 1.0
+    """DAPO: the most a completion at the length limit loses (see overlong_buffer)."""
     model: str = ""
     """rewards.fn=reward_model: a reward model, our checkpoint (algorithm.name=rm) or a Hugging
     Face *ForSequenceClassification directory; it runs in the policy's parallel layout."""

@@ -17,6 +17,7 @@ class CheckpointConfig:
     """Start from the model weights of this checkpoint directory (any TP/PP layout), or of the
     latest checkpoint of this run directory."""
     save: bool = True
+    """Write checkpoints at all (every save_every steps and at the end)."""
     keep: int = 2
     """How many recent checkpoints to keep; 0 keeps all."""
     export_hf: bool = False
@@ -31,6 +32,7 @@ class LoggingConfig:
     run_dir: str = ""
     """Where outputs go; empty means runs/<recipe>."""
     tensorboard: bool = True
+    """Write TensorBoard events beside metrics.jsonl."""
     progress: bool = True
     """A progress bar with ETA on the console of rank 0."""
     wandb_project: str = ""

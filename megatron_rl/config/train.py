@@ -11,7 +11,9 @@ from .base import ConfigError
 @dataclass(kw_only=True)
 class TrainConfig:
     max_steps: int = 100
+    """Optimizer steps of the run (GRPO: rollout batches)."""
     seed: int = 1234
+    """Seed of the model's initialization and of megatron's RNG tracker."""
     eval_every: int = 50
     """Evaluate every N steps (and at the end); 0 means only at the end."""
     eval_generate: bool = True

@@ -53,7 +53,7 @@ def cross_batches(prompt_texts: list[str], responses: list[str], ended: list[boo
     import torch
 
     from .rl import pack
-    from .sft import prompt_ids
+    from .tokenizer import prompt_ids
 
     s_resp, t_resp, s_chunks, t_chunks, count = [], [], [], [], []
     for text, end in zip(responses, ended):

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .sft import DataError, microbatches, prompt_ids
+from .batches import microbatches
+from .rows import DataError
+from .tokenizer import prompt_ids
 
 
 @dataclass
@@ -190,7 +192,7 @@ def prepare(cfg, run_dir, wrong_answers=None) -> PreferenceData:
     """Read, tokenize and tensorize the train and val pairs for a language model (DPO) or a score
     model (reward model); sets model.vocab_size from the tokenizer when it is 0. wrong_answers: see
     tasks.data_files."""
-    from .sft import read_jsonl
+    from .rows import read_rows
     from .tasks import data_files
 
     tokenizer, train_path, val_path = data_files(cfg, run_dir, wrong_answers)
@@ -201,7 +203,7 @@ def prepare(cfg, run_dir, wrong_answers=None) -> PreferenceData:
     splits, tensors = {}, {}
     for name, path in (("train", train_path), ("val", val_path)):
         if path:
-            splits[name] = encode_pairs(read_jsonl(path), tokenizer, budget, str(path), d.max_prompt_length,
+            splits[name] = encode_pairs(read_rows(path), tokenizer, budget, str(path), d.max_prompt_length,
                                         d.max_completion_length, d.truncation_mode)
     kinds = sorted({p.kind for pairs in splits.values() for p in pairs})
     for name, pairs in splits.items():

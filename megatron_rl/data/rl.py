@@ -2,20 +2,21 @@
 
 import torch
 
-from .sft import DataError, Rows, prompt_ids
+from .rows import DataError, Rows
+from .tokenizer import prompt_ids
 
 
 def prompt_splits(cfg, run_dir):
     """An RL run's data: (tokenizer, (train prompts' ids, their metadata), (the same for validation,
     empty without a validation file)). Sets model.vocab_size from the tokenizer where it is 0."""
-    from .sft import read_jsonl, report_skipped
+    from .rows import read_rows, report_skipped
     from .tasks import data_files
 
     tokenizer, train_path, val_path = data_files(cfg, run_dir)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = len(tokenizer)
     seq, skip = cfg.data.seq_length, cfg.data.on_bad_row
-    train_rows, val_rows = read_jsonl(train_path, skip), read_jsonl(val_path, skip) if val_path else None
+    train_rows, val_rows = read_rows(train_path, skip), read_rows(val_path, skip) if val_path else None
     train = encode_prompts(train_rows, tokenizer, seq)
     val = encode_prompts(val_rows, tokenizer, seq) if val_rows else ([], [])
     report_skipped(train_rows, val_rows)

@@ -72,13 +72,13 @@ def _preference_splits(cfg: Config, tokenizer, train_path: Path, val_path: Path,
     chosen the true answer, rejected a wrong one of the data.negatives mix. Wrong answers of the
     starting policy ('policy') are sampled collectively by every rank."""
     from . import arithmetic
-    from .sft import read_jsonl
+    from .rows import read_rows
 
     sampler = wrong_answers(cfg, tokenizer) if "policy" in cfg.data.negatives else None
     paths = train_path.with_name("pairs_train.jsonl"), val_path.with_name("pairs_val.jsonl")
     splits = []
     for offset, source in enumerate((train_path, val_path)):
-        splits.append(arithmetic.preference_rows(read_jsonl(source), cfg.data.negatives, cfg.data.digits,
+        splits.append(arithmetic.preference_rows(read_rows(source), cfg.data.negatives, cfg.data.digits,
                                                  cfg.data.seed + 1 + offset, sampler))
     if dist.get_rank() == 0:
         for path, rows in zip(paths, splits):

@@ -87,3 +87,10 @@ def tokenizer_difference(a, b) -> str | None:
 def decode_texts(tokenizer, ids: list[list[int]]) -> list[str]:
     """Each list of token ids as text, special tokens left out."""
     return [tokenizer.decode(x, skip_special_tokens=True) for x in ids]
+
+
+def prompt_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    """[bos] + the prompt's tokens (no second bos when a chat template already rendered one)."""
+    bos = tokenizer.bos_token_id
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [p if bos is None or p[:1] == [bos] else [bos] + p for p in ids]

@@ -45,7 +45,7 @@ class RewardModel:
         self.micro_batch_size, self.multiple = cfg.data.micro_batch_size, cfg.parallel.sequence_divisor()
 
     def sequences(self, prompts: list[str], completions: list[str], ids) -> list[list[int]]:
-        from megatron_rl.data.sft import prompt_ids
+        from megatron_rl.data.tokenizer import prompt_ids
 
         eos = self.tokenizer.eos_token_id
         if self.same and ids is not None:

@@ -126,8 +126,8 @@ def run_episodes(engine, runner, tokenizer, prompts: list[list[int]], metadata: 
         if not active:
             break
         room = [budget - len(prompt[i]) - len(ids[i]) for i in active]
-        out = engine.generate([prompt[i] + ids[i] for i in active], n=1, seed=sampling_seed(seed, round=turn), greedy=greedy,
-                              stops=[stop[i] for i in active],
+        out = engine.generate([prompt[i] + ids[i] for i in active], n=1, seed=sampling_seed(seed, round=turn),
+                              greedy=greedy, stops=[stop[i] for i in active],
                               max_new_tokens=[min(engine.cfg.max_new_tokens, r) for r in room], tape=tape,
                               routes=[routes[i] for i in active] if tape is not None and turn else None)
         for k, i in enumerate(active):
@@ -172,14 +172,17 @@ def run_episodes(engine, runner, tokenizer, prompts: list[list[int]], metadata: 
                 stop[i] = list(engine.cfg.stop) + t.stop
             still.append(i)
         active = still
-    for i in range(count):
-        if failed[i]:
-            reward[i] = {k: 0.0 for k in reward[i]} if isinstance(reward[i], dict) else 0.0
-    stats = {"rollout/turns_mean": sum(turns) / count, "rollout/turns_max": float(max(turns)),
-             **{f"rollout/{e}_frac": ending.count(e) / count for e in ("done", "truncated", "max_turns")},
-             "rollout/generated_tokens_mean": sum(generated) / count,
-             "rollout/observation_tokens_mean": sum(observed) / count}
-    rollout = Rollout(prompts=prompt, completions=ids, logprobs=logp,
-                      truncated=[e == "truncated" for e in ending], masks=mask,
-                      routes=routes if tape is not None else [])
-    return Episodes(rollout, reward, answer, sum(failed), errors[:5], stats)
+    reward = [({k: 0.0 for k in r} if isinstance(r, dict) else 0.0) if f else r for r, f in zip(reward, failed)]
+    rollout = Rollout(prompts=prompt, completions=ids, logprobs=logp, truncated=[e == "truncated" for e in ending],
+                      masks=mask, routes=routes if tape is not None else [])
+    return Episodes(rollout, reward, answer, sum(failed), errors[:5], episode_stats(turns, ending, generated, observed))
+
+
+def episode_stats(turns: list[int], ending: list[str], generated: list[int], observed: list[int]) -> dict:
+    """This rank's means over its episodes: turns (and their maximum), how they ended, tokens generated and
+    observed."""
+    count = len(turns)
+    return {"rollout/turns_mean": sum(turns) / count, "rollout/turns_max": float(max(turns)),
+            **{f"rollout/{e}_frac": ending.count(e) / count for e in ("done", "truncated", "max_turns")},
+            "rollout/generated_tokens_mean": sum(generated) / count,
+            "rollout/observation_tokens_mean": sum(observed) / count}

@@ -16,7 +16,7 @@ def wrong_answer_sampler(cfg: Config, tokenizer, samples_per_prompt: int = 4):
     def sample(prompts: list[str], answers: list[str]) -> list[str | None]:
         from megatron.core import parallel_state as ps
 
-        from megatron_rl.data.sft import prompt_ids
+        from megatron_rl.data.tokenizer import prompt_ids
         from megatron_rl.rollout.engine import RolloutEngine
         from megatron_rl.data.tokenizer import decode_texts
         from megatron_rl.training.frozen import load_frozen

@@ -3,8 +3,8 @@
 `Run(cfg, run_dir, tokenizer, data, per_step)` is the prologue: the trainee (model, optimizer,
 schedule), the data stream over `data` (`per_step` rows a step over all data-parallel ranks, saved and
 restored with each checkpoint), the initial state (a resumed run's checkpoint, or the weights of
-checkpoint.load / model.hf_path, or the random init), the assets written beside every checkpoint, the
-log and the profiler.
+checkpoint.load / model.hf_path, or the random init), the assets written beside every checkpoint, and
+the log and the profiler (started on first use).
 
 `run.loop(step, validate)` is the rest: per step, the algorithm's `step()` (its phases timed with
 `run.phase(name)`), then evaluation every train.eval_every steps and at the end, the log, a checkpoint
@@ -67,7 +67,7 @@ class Run:
     def __init__(self, cfg: Config, run_dir: Path, tokenizer, data: dict, per_step: int):
         from megatron.core import parallel_state as ps
 
-        from megatron_rl.data.sft import Batches
+        from megatron_rl.data.batches import Batches
 
         self.cfg, self.dir = cfg, Path(run_dir)
         self.trainee = build_trainee(cfg)
@@ -78,8 +78,24 @@ class Run:
         self.step = state["step"] if state else 0  # optimizer steps taken
         if state:
             self.data.load_state_dict(state["extra"]["data"])
-        self.log, self.prof = start_log(cfg, self.dir, self.step, self.resumed_from, self.trainee)
+        self._log = self._prof = None
         self._best, self._stale = float("inf"), 0  # val/loss, for early stopping
+
+    @property
+    def log(self):
+        """The run's log (metrics.jsonl, TensorBoard, W&B, the progress bar), started on first use: after
+        what the algorithm builds before it, so that processes it forks (reward workers) start before the
+        progress bar's thread does."""
+        if self._log is None:
+            self._log, self._prof = start_log(self.cfg, self.dir, self.step, self.resumed_from, self.trainee)
+        return self._log
+
+    @property
+    def prof(self):
+        """The profiler (phase times, nvtx ranges, the capture window), started with the log."""
+        if self._prof is None:
+            self.log  # noqa: B018 -- starts both
+        return self._prof
 
     def phase(self, name: str):
         """A phase of the step (rollout, logprob, train ...): timed for perf/time_<name>_s and the table

@@ -112,7 +112,7 @@ def make_microbatches(cfg, batch: dict, per_microbatch: int, flatten=None) -> li
     from megatron.core import parallel_state as ps
 
     from megatron_rl.data import packing
-    from megatron_rl.data.sft import microbatches
+    from megatron_rl.data.batches import microbatches
 
     budget, p = cfg.data.max_tokens_per_microbatch, cfg.parallel
     if not budget:
