@@ -181,10 +181,8 @@ def run(cfg: Config, run_dir: Path) -> dict:
             if "ref_logps" not in batch:
                 batch["ref_logps"] = reference_logps(reference(), batch, cfg)
             r, grad_norm = train_step(run.trainee, dpo_microbatches(cfg, batch), partial(dpo_loss, cfg, sft_scale(batch)))
-        seconds = run.prof.last["train"]
         return {**metrics_of(r, "train", cfg.algorithm.sft_loss_weight), "train/grad_norm": grad_norm,
-                **schedule_metrics(run.trainee), "perf/step_time_s": seconds,
-                "perf/tokens_per_s": 2 * cfg.data.global_batch_size * cfg.data.seq_length / seconds}
+                **schedule_metrics(run.trainee), **run.train_time(2 * cfg.data.global_batch_size * cfg.data.seq_length)}
 
     with closing_all(scorer):
         return run.loop(step, validate, first=data.truncated(),

@@ -74,9 +74,8 @@ def run(cfg: Config, run_dir: Path) -> dict:
         with run.phase("train"):
             micro = preference.pair_microbatches(run.data.next(), cfg.data.micro_batch_size)
             r, grad_norm = train_step(run.trainee, micro, loss_fn)
-        seconds = run.prof.last["train"]
         return {**metrics_of(r, "train"), "train/grad_norm": grad_norm, **schedule_metrics(run.trainee),
-                "perf/step_time_s": seconds, "perf/tokens_per_s": 2 * cfg.data.global_batch_size * cfg.data.seq_length / seconds}
+                **run.train_time(2 * cfg.data.global_batch_size * cfg.data.seq_length)}  # pairs: two sequences each
 
     validate = (lambda: evaluate(run.trainee, cfg, data.val, data.kinds)) if data.val is not None else None
     return run.loop(step, validate, first=data.truncated(), plot=["train/loss", "val/accuracy"])

@@ -66,9 +66,8 @@ def run(cfg: Config, run_dir: Path) -> dict:
         with run.phase("train"):
             micro = make_microbatches(cfg, run.data.next(), cfg.data.micro_batch_size)
             r, grad_norm = train_step(run.trainee, micro, loss_fn)
-        seconds = run.prof.last["train"]
         return {"train/loss": r["loss_sum"] / max(r["tokens"], 1), "train/accuracy": r["correct"] / max(r["samples"], 1),
-                **schedule_metrics(run.trainee), "train/grad_norm": grad_norm, "perf/step_time_s": seconds,
-                "perf/tokens_per_s": cfg.data.global_batch_size * cfg.data.seq_length / seconds}
+                **schedule_metrics(run.trainee), "train/grad_norm": grad_norm,
+                **run.train_time(cfg.data.global_batch_size * cfg.data.seq_length)}
 
     return run.loop(step, (lambda: evaluate(run.trainee, cfg, val)) if val is not None else None, validate_first=False)

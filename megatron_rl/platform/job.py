@@ -34,8 +34,7 @@ def start(launch: Launch, cfg: Config) -> None:
         for line in (launch.describe() if launch.world_size > 1 else None, check_cuda_connections(p.tp, p.cp)):
             if line:
                 print(line, flush=True)
-    init_model_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp if p.vpp > 1 else None, cp=p.cp, ep=p.ep, etp=p.etp or None,
-                        seed=cfg.train.seed, cuda_graphs=cfg.rollout.cuda_graphs)
+    init_layout(cfg)
     if cfg.rollout.batch_invariant:  # rollouts and training alike, for the whole run
         use_batch_invariant_kernels()
     watch_preemption()
@@ -44,6 +43,14 @@ def start(launch: Launch, cfg: Config) -> None:
 
     watchdog.start(dist.distributed_c10d._get_default_store(), launch.rank, launch.world_size,
                    cfg.train.hang_timeout_s)
+
+
+def init_layout(cfg: Config) -> None:
+    """megatron's model-parallel groups for cfg.parallel, its RNG seeded with train.seed (decode CUDA graphs
+    where rollout.cuda_graphs asks for them)."""
+    p = cfg.parallel
+    init_model_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp if p.vpp > 1 else None, cp=p.cp, ep=p.ep, etp=p.etp or None,
+                        seed=cfg.train.seed, cuda_graphs=cfg.rollout.cuda_graphs)
 
 
 def finish(job, launch: Launch, run_dir: Path, fresh_dir: bool) -> int:

@@ -81,26 +81,33 @@ class Run:
         self._log = self._prof = None
         self._best, self._stale = float("inf"), 0  # val/loss, for early stopping
 
-    @property
-    def log(self):
-        """The run's log (metrics.jsonl, TensorBoard, W&B, the progress bar), started on first use: after
-        what the algorithm builds before it, so that processes it forks (reward workers) start before the
-        progress bar's thread does."""
+    def _start_log(self):
+        """The log and the profiler, started on first use: after what the algorithm builds first (reference,
+        engine, scorers), as the loops always started them, so that a refused setup writes no log."""
         if self._log is None:
             self._log, self._prof = start_log(self.cfg, self.dir, self.step, self.resumed_from, self.trainee)
+
+    @property
+    def log(self):
+        """The run's log: metrics.jsonl, TensorBoard, W&B, the progress bar."""
+        self._start_log()
         return self._log
 
     @property
     def prof(self):
-        """The profiler (phase times, nvtx ranges, the capture window), started with the log."""
-        if self._prof is None:
-            self.log  # noqa: B018 -- starts both
+        """The profiler: phase times, nvtx ranges, the capture window."""
+        self._start_log()
         return self._prof
 
     def phase(self, name: str):
         """A phase of the step (rollout, logprob, train ...): timed for perf/time_<name>_s and the table
         at the end, an nvtx range, a range of the torch.profiler trace."""
         return self.prof.range(name)
+
+    def train_time(self, tokens: int) -> dict:
+        """perf/step_time_s (this step's train phase) and perf/tokens_per_s for `tokens` tokens a step."""
+        seconds = self.prof.last["train"]
+        return {"perf/step_time_s": seconds, "perf/tokens_per_s": tokens / seconds}
 
     def phase_times(self) -> dict:
         """perf/time_<phase>_s of the step now running, for each phase it went through."""

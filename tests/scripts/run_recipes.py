@@ -44,6 +44,7 @@ def main():
     from megatron_rl import platform
     from megatron_rl.algorithms import get_algorithm
     from megatron_rl.config import apply_overrides
+    from megatron_rl.platform import job
     from recipes import get_recipe
     from train import parse_args
 
@@ -54,9 +55,7 @@ def main():
         cfg = apply_overrides(get_recipe(args.recipe), args.overrides).validate(world_size=launch.world_size)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
-        p = cfg.parallel
-        platform.init_model_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp if p.vpp > 1 else None, cp=p.cp, ep=p.ep,
-                                     etp=p.etp or None, seed=cfg.train.seed)
+        job.init_layout(cfg)  # as train.py lays it out
         with without_fixes(undo):
             get_algorithm(cfg.algorithm.name).run(cfg, Path(cfg.logging.run_dir))
     platform.shutdown()
