@@ -159,3 +159,17 @@ def test_gpu_check_dry_run(tmp_path):
     mismatch = next(line for line in summary.splitlines() if line.startswith("bf16 mismatch"))
     assert float(mismatch.split()[3]) <= 1e-5, summary  # max, bf16 on the CPU
     assert (tmp_path / "out" / "results.tar.gz").exists()
+
+
+def test_weights_unchanged_needs_no_cpu_module_on_cuda(monkeypatch):
+    """On a GPU the platform never imports platform/cpu.py, so the stretch without weight changes that every
+    rollout and training step opens must not reach for it there (it raised NameError on CUDA)."""
+    import contextlib
+
+    from megatron_rl import platform
+
+    monkeypatch.setattr(platform, "has_cuda", lambda: True)
+    monkeypatch.delattr(platform, "_cpu")
+    with platform.weights_unchanged() as inside:
+        assert inside is None
+    assert isinstance(platform.weights_unchanged(), contextlib.nullcontext)

@@ -6,6 +6,7 @@ LOCAL_RANK, MASTER_ADDR/PORT), Slurm's srun (SLURM_PROCID, SLURM_NTASKS, SLURM_L
 SLURM_NODELIST), or a plain single process.
 """
 
+import contextlib
 import os
 import re
 import warnings
@@ -203,8 +204,8 @@ def set_device_rng_state(state: dict) -> None:
 def weights_unchanged():
     """A stretch in which no weight changes (a rollout; one step's forward and backward): on the CPU,
     oneDNN then reorders each weight once for the stretch instead of inside every GEMM (platform/cpu.py
-    packed_weights); elsewhere nothing."""
-    return _cpu.packed_weights()
+    packed_weights); on a GPU nothing (platform/cpu.py is not even imported there)."""
+    return contextlib.nullcontext() if has_cuda() else _cpu.packed_weights()
 
 
 def set_training_length(seq_length: int) -> None:
