@@ -6,7 +6,8 @@ temporary sibling, .step_<N>.partial; rank 0 then fsyncs the files, writes the `
 and points checkpoints/latest at it. So a step_<N> directory is always whole: a run killed while
 saving leaves only a .partial directory, which the next save removes. Resume picks the newest
 checkpoint whose files match its marker, warning about any damaged one it passes over. Rotation
-(checkpoint.keep) removes an old checkpoint's marker before its files, after the new one is in place.
+(checkpoint.keep) renames an old checkpoint out of the step_* names before deleting its files, after
+the new one is in place.
 Tensors are saved in the layout-independent sharded format, so a checkpoint saved at one TP/PP/DP
 layout loads at another (resharding). RNG states are per rank and are only restored when the layout
 is unchanged.
@@ -110,11 +111,14 @@ def _replace_file(path: Path, text: str):
 
 
 def _remove(path: Path):
-    """Remove a checkpoint: its marker first (durably), so a crash halfway leaves no complete-looking
-    directory."""
-    (path / MARKER).unlink(missing_ok=True)
-    _fsync(path)
-    shutil.rmtree(path, ignore_errors=True)
+    """Remove a checkpoint: renamed out of the step_* names first (durably, in one step), so a crash
+    while its files are deleted leaves no step directory, complete-looking or not; the next prune
+    sweeps what is left of it."""
+    trash = path.with_name(f".{path.name}.removing")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(path, trash)
+    _fsync(path.parent)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _publish(tmp: Path, path: Path, step: int, verify: str):
@@ -314,6 +318,8 @@ def read_model_config(path: str | Path):
 
 
 def _prune(run_dir: Path, keep: int):
+    for trash in (run_dir / "checkpoints").glob(".step_*.removing"):  # left by a run killed while removing
+        shutil.rmtree(trash, ignore_errors=True)
     if keep <= 0:
         return
     done = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if (p / MARKER).exists())

@@ -406,6 +406,39 @@ def test_writer_out_of_space_leaves_the_last_checkpoint(one_process, tmp_path, m
     assert checkpointing.latest_checkpoint(tmp_path) == first and checkpointing.damage(first) is None
 
 
+def test_rotation_killed_while_deleting_leaves_no_step_directory(tmp_path, monkeypatch):
+    """checkpoint.keep's removal killed halfway through deleting an old checkpoint's files (the CI
+    failure of kill -9 at step 6, keep=2): no step_* directory is left without its marker, and the
+    next prune sweeps the remains."""
+    import shutil
+    from pathlib import Path
+
+    from megatron_rl import checkpointing
+
+    for step in (2, 4, 6):
+        path = checkpoint_dir(tmp_path, step)
+        (path / "shard").mkdir(parents=True)
+        (path / "shard" / "a.distcp").write_bytes(b"x" * 10)
+        (path / checkpointing.MARKER).write_text('{"step": %d, "files": {"shard/a.distcp": 10}}' % step)
+    real_rmtree = shutil.rmtree
+
+    def killed_halfway(path, ignore_errors=False):
+        files = sorted(p for p in Path(path).rglob("*") if p.is_file())
+        if files:
+            files[0].unlink()
+            raise KeyboardInterrupt("killed")
+        real_rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(shutil, "rmtree", killed_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        checkpointing._prune(tmp_path, keep=2)
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    for path in (tmp_path / "checkpoints").glob("step_*"):
+        assert (path / checkpointing.MARKER).exists() and checkpointing.damage(path) is None, path
+    checkpointing._prune(tmp_path, keep=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000004", "step_0000006"]
+
+
 @pytest.mark.parametrize("fault", ["raise", "slow_raise", "kill", "sleep"])
 def test_a_failed_dead_or_frozen_rank_stops_every_rank(fault, tmp_path):
     """Two ranks under torchrun; at step 3 rank 1 raises, is SIGKILLed, or sleeps forever (as in a
