@@ -150,6 +150,10 @@ def clipped_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
     is also bounded below by dual_clip * A (dual_clip > 1; 0 turns it off).
     logp, old_logp: (N, T); advantages: (N,) or (N, T). Returns (loss (N, T), clipped (N, T) bool):
     clipped marks tokens whose gradient a clip removed.
+
+    With stale rollouts and algorithm.off_policy=rollout_ratio, old_logp is the behaviour policy's (the
+    rollout's own logprobs, weights up to max_staleness steps old): r = pi / mu, and the clip truncates
+    the importance ratio against the policy that sampled (PipelineRL's and verl's one-step-off objective).
     """
     adv = _per_token(advantages)
     ratio = (logp - old_logp).exp()
@@ -230,6 +234,14 @@ def mismatch_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: t
     [1/threshold, threshold] get weight 0), 'sequence_truncate' / 'sequence_mask' (the same with
     the sequence weight prod_t w_t, for every token of the sequence). Returns (weights (N, T),
     masked (N, T) bool). The weights carry no gradient.
+
+    The same weights correct stale rollouts (algorithm.max_staleness >= 1, off_policy=decoupled: AReaL's
+    decoupled PPO, Fu et al. 2025). With the behaviour policy mu (the rollout's weights, up to k steps
+    old) and the proximal policy pi_prox (this step's weights before its update: `old_logp`), the
+    per-token objective is
+        min(pi_prox / mu, threshold) * min(r A, clip(r, 1 - eps_low, 1 + eps_high) A),  r = pi / pi_prox,
+    so the clip bounds the update against the proximal policy, while the truncated behaviour weight
+    corrects for the samples having come from mu.
     """
     log_w = ((old_logp - rollout_logp) * mask).detach()
     kind, _, action = mode.partition("_")

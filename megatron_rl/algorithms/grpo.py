@@ -23,6 +23,7 @@ from megatron_rl import losses
 from megatron_rl.config import Config, ConfigError
 from megatron_rl.data import rl as rl_data
 from megatron_rl.environments.rewards import build_scorer
+from megatron_rl.rollout.disaggregated import Disaggregated, serve
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.episodes import check_observation_format
 from megatron_rl.rollout.evaluate import greedy_eval
@@ -42,7 +43,7 @@ class Models:
     """What the loop needs besides the trainee: the engine that samples on it, the scorers, the
     reference policy and the critic (when used), and MoE routing tapes."""
 
-    engine: RolloutEngine
+    engine: RolloutEngine | None  # None (and no scorers) on the training ranks of a disaggregated job
     scorer: object  # training rewards (rewards.fn)
     val_scorer: object  # validation (rewards.val_fn, default the same)
     reference: list | None = None
@@ -51,15 +52,18 @@ class Models:
     ref_tape: RoutingTape | None = None
 
 
-def build_models(cfg: Config, run: Run, tokenizer, critic_class=None) -> Models:
+def build_models(cfg: Config, run: Run, tokenizer, critic_class=None, remote: Disaggregated | None = None) -> Models:
+    """remote: the generation ranks of a disaggregated job, which then roll out and score instead."""
     r, m = cfg.rollout, cfg.model
     reference = build_reference(cfg, run.trainee, resumed=run.resumed_from is not None) if cfg.algorithm.kl_coef else None
     critic = critic_class(cfg, run.dir, run.step if run.resumed_from is not None else None) if critic_class else None
-    engine = RolloutEngine(run.trainee.model, m, tokenizer, r, compute_dtype(cfg))
+    engine = RolloutEngine(run.trainee.model, m, tokenizer, r, compute_dtype(cfg)) if remote is None else None
     tape = ref_tape = None
     if m.num_experts:  # MoE: record the rollout's routing; replay it or measure the mismatch
         tape = RoutingTape(run.trainee.model, m.moe_topk, cfg.parallel.sp)
         ref_tape = RoutingTape(reference, m.moe_topk, cfg.parallel.sp) if reference is not None else None
+    if remote is not None:
+        return Models(None, None, None, reference, critic, tape, ref_tape)
     scorer = build_scorer(cfg, cfg.rewards.fn, tokenizer)
     val_fn = cfg.rewards.val_fn or cfg.rewards.fn
     val_scorer = scorer if val_fn == cfg.rewards.fn else build_scorer(cfg, val_fn, tokenizer)
@@ -114,11 +118,17 @@ def run(cfg: Config, run_dir: Path, critic_class=None) -> dict:
     advantages, learns before the policy each step, and is saved before it."""
     from megatron.core import parallel_state as ps
 
+    from megatron_rl.platform import bridge
+
+    if bridge.side() is not None and bridge.side().name == "rollout":
+        return serve(cfg)  # a generation rank of a disaggregated job
     a = cfg.algorithm
     tokenizer, (train_prompts, train_meta), (val_prompts, val_meta) = rl_data.prompt_splits(cfg, run_dir)
     check_observation_format(cfg, tokenizer)
     run = Run(cfg, run_dir, tokenizer, {"index": torch.arange(len(train_prompts))}, a.prompts_per_step)
-    models = build_models(cfg, run, tokenizer, critic_class)
+    remote = Disaggregated(cfg, run, tokenizer, (train_prompts, train_meta), (val_prompts, val_meta)) \
+        if bridge.side() is not None else None
+    models = build_models(cfg, run, tokenizer, critic_class, remote)
     critic, dp_rank, dp = models.critic, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
 
     def next_prompts():
@@ -127,8 +137,8 @@ def run(cfg: Config, run_dir: Path, critic_class=None) -> dict:
 
     def step() -> dict:
         with run.phase("rollout"):
-            scored, sampling = sample_groups(cfg, run.step, models.engine, models.scorer, tokenizer, next_prompts,
-                                             dp_rank, models.tape)
+            scored, sampling = remote.sample(run.step) if remote else sample_groups(
+                cfg, run.step, models.engine, models.scorer, tokenizer, next_prompts, dp_rank, models.tape)
             per_token = a.advantage_estimator == "reinforce_pp" or critic  # after the reference's logprobs
             advantages = None if per_token else advantages_of(cfg, scored)
         with run.phase("logprob"):
@@ -154,8 +164,13 @@ def run(cfg: Config, run_dir: Path, critic_class=None) -> dict:
                 **schedule_metrics(run.trainee)}
 
     def validate() -> dict:
+        if remote:
+            return remote.validate()
         return greedy_eval(models.engine, models.val_scorer, tokenizer, val_prompts, val_meta, cfg)
 
     with closing_all(models.scorer, models.val_scorer):
-        return run.loop(step, validate if val_prompts else None, before_save=critic.save if critic else None,
-                        plot=["rollout/reward_mean", "val/accuracy"])
+        final = run.loop(step, validate if val_prompts else None, before_save=critic.save if critic else None,
+                         plot=["rollout/reward_mean", "val/accuracy"])
+    if remote:
+        remote.finish()
+    return final

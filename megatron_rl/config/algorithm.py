@@ -68,6 +68,16 @@ class AlgorithmConfig:
     sequence), truncated at mismatch_threshold or masked outside [1/threshold, threshold]."""
     mismatch_threshold: float = 2.0
     """Mismatch correction: weights are truncated at it, or tokens masked outside [1/threshold, threshold]."""
+    max_staleness: int = 0
+    """Disaggregated RL (parallel.rollout_ranks > 0): a step may train on rollouts of weights at most this many
+    optimizer steps older than its own, so the generation ranks produce the next batches while the training
+    ranks train. 0: every step trains on rollouts of its own weights (generation and training take turns)."""
+    off_policy: Literal["decoupled", "rollout_ratio", "none"] = "decoupled"
+    """With max_staleness >= 1, how the loss corrects for rollouts of older weights. decoupled (AReaL's
+    decoupled PPO): the ratio and its clip against the proximal policy (this step's weights before its
+    update: the old logprobs), each token's loss weighted by min(p_proximal / p_rollout, mismatch_threshold)
+    (mismatch_correction's weights where it is set, else token_truncate's). rollout_ratio: the ratio
+    p / p_rollout itself, clipped (the behaviour policy as the old policy). none is refused."""
     beta: float = 0.1
     """DPO: the strength of the implicit KL constraint to the reference (TRL's beta)."""
     preference_loss: Literal["sigmoid", "cdpo", "robust", "ipo", "hinge"] = "sigmoid"
@@ -90,6 +100,17 @@ class AlgorithmConfig:
     center_rewards_coefficient: float = 0.0
     """Reward model: add this times mean((r_c + r_r)^2), keeping scores centered at 0 (TRL's;
     0.01 is a common value)."""
+
+    def stale(self) -> bool:
+        """Whether steps may train on rollouts of older weights (algorithm.max_staleness >= 1)."""
+        return self.max_staleness > 0
+
+    def correction(self) -> str:
+        """The mismatch correction in force: mismatch_correction, or token_truncate for stale rollouts with
+        off_policy=decoupled where none is set."""
+        if self.stale() and self.off_policy == "decoupled" and self.mismatch_correction == "none":
+            return "token_truncate"
+        return self.mismatch_correction
 
     def clip_range(self) -> tuple[float, float]:
         """(clip_low, clip_high), the unset ones at the policy loss's defaults."""

@@ -26,6 +26,15 @@ class ParallelConfig:
     """Sequence parallel (needs tp > 1)."""
     dp: int = 0
     """Data parallel size; 0 means whatever the world size leaves after tp x pp x cp."""
+    rollout_ranks: int = 0
+    """Disaggregated RL (GRPO family, PPO): the job's last rollout_ranks ranks only generate, on a copy of the
+    policy in their own layout (rollout_tp, rollout_ep) that the training ranks hand their weights to after
+    every optimizer step; the other ranks only train, in the layout this section gives. 0: every rank rolls
+    out and trains, in turn."""
+    rollout_tp: int = 1
+    """Tensor parallel size of the generation ranks (parallel.rollout_ranks)."""
+    rollout_ep: int = 1
+    """Expert parallel size of the generation ranks (MoE)."""
     first_stage_layers: int = 0
     """Uneven pipeline: layers of the first stage (0: an even split); the middle stages share the rest."""
     last_stage_layers: int = 0
@@ -92,14 +101,41 @@ class ParallelConfig:
                     raise ConfigError(f"model.{what}={getattr(model, what)} is not divisible by parallel.tp={self.tp}; "
                                       "choose a tp that divides it.")
 
+    def trainers(self, world_size: int) -> int:
+        """The ranks that train: all but parallel.rollout_ranks."""
+        return world_size - self.rollout_ranks
+
+    def generation_layout(self, model: ModelConfig | None = None) -> "ParallelConfig":
+        """The generation ranks' layout: rollout_tp x rollout_ep over data-parallel copies, one stage (sequence
+        parallel where megatron needs it: experts with tensor parallelism)."""
+        sp = self.rollout_tp > 1 and (self.sp or bool(model is not None and model.num_experts))
+        return ParallelConfig(tp=self.rollout_tp, ep=self.rollout_ep, sp=sp)
+
+    def validate_split(self, world_size: int, model: ModelConfig | None = None):
+        """A disaggregated job (rollout_ranks > 0): both sides must have ranks, and the generation layout
+        must divide its ranks and the model."""
+        if self.rollout_ranks < 0:
+            raise ConfigError(f"parallel.rollout_ranks={self.rollout_ranks} must be >= 0 (0: no generation ranks).")
+        if not self.rollout_ranks:
+            return
+        if self.rollout_ranks >= world_size:
+            raise ConfigError(f"parallel.rollout_ranks={self.rollout_ranks} leaves no training rank in a job of "
+                              f"{world_size} rank(s); launch more processes or lower parallel.rollout_ranks.")
+        positive(self, "rollout_tp", "rollout_ep")
+        try:
+            self.generation_layout(model).validate(self.rollout_ranks, model)
+        except ConfigError as e:
+            raise ConfigError(f"the generation ranks' layout (parallel.rollout_tp={self.rollout_tp}, rollout_ep="
+                              f"{self.rollout_ep} over parallel.rollout_ranks={self.rollout_ranks}): {e}") from None
+
     def sequence_divisor(self) -> int:
         """What a training sequence's length must be a multiple of: 2 chunks per context-parallel rank,
         times tp with sequence parallelism."""
         return (2 * self.cp if self.cp > 1 else 1) * (self.tp if self.sp else 1)
 
     def recipe_world_size(self) -> int:
-        """The processes this layout names: tp x pp x cp x dp (dp 0 counts as 1)."""
-        return self.tp * self.pp * self.cp * max(self.dp, 1)
+        """The processes this layout names: tp x pp x cp x dp (dp 0 counts as 1), plus the generation ranks."""
+        return self.tp * self.pp * self.cp * max(self.dp, 1) + self.rollout_ranks
 
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp * self.cp)

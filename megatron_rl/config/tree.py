@@ -72,6 +72,8 @@ class Config:
     def validate(self, world_size: int = 1):
         """Check everything that can be checked before a model is built."""
         self.model.validate()
+        self._validate_split(world_size)
+        world_size = self.parallel.trainers(world_size)  # what follows is the training ranks'
         self.parallel.validate(world_size, self.model)
         self.optimizer.validate(self.train.precision)
         self.data.validate(self.parallel.data_parallel_size(world_size), uses_global_batch=self.algorithm.name not in ON_POLICY)
@@ -107,6 +109,24 @@ class Config:
             raise ConfigError("train.eval_every and checkpoint.save_every must be >= 0 (0 means at the end only).")
         self._validate_wandb()
         return self
+
+    def _validate_split(self, world_size: int):
+        """Generation ranks (parallel.rollout_ranks) and stale rollouts (algorithm.max_staleness)."""
+        p, a = self.parallel, self.algorithm
+        p.validate_split(world_size, self.model)
+        if p.rollout_ranks and a.name not in ("grpo", "ppo"):
+            raise ConfigError(f"parallel.rollout_ranks={p.rollout_ranks} gives generation ranks to a loop that rolls out; "
+                              f"algorithm.name={a.name} does not (only grpo and ppo do): set parallel.rollout_ranks=0.")
+        if a.max_staleness < 0:
+            raise ConfigError(f"algorithm.max_staleness={a.max_staleness} must be >= 0 (0: rollouts of each step's own "
+                              f"weights).")
+        if a.stale() and not p.rollout_ranks:
+            raise ConfigError(f"algorithm.max_staleness={a.max_staleness} needs generation ranks that roll out while the "
+                              "others train: set parallel.rollout_ranks (e.g. 1), or max_staleness=0.")
+        if a.stale() and a.off_policy == "none":
+            raise ConfigError(f"algorithm.max_staleness={a.max_staleness} trains on rollouts of older weights, which "
+                              "without a correction biases the gradient: set algorithm.off_policy=decoupled (or "
+                              "rollout_ratio), or max_staleness=0.")
 
     def _validate_wandb(self):
         g, hints = self.logging, typing.get_type_hints(LoggingConfig)

@@ -125,7 +125,7 @@ def canonical(name: str, tensor: torch.Tensor, chunk, model: ModelConfig) -> tup
     return name, Placement(dim=dim, rank=rank, size=size, group=group, parts=_parts(name, tensor, model, size))
 
 
-def _is_writer(canonical_name: str) -> bool:
+def is_writer(canonical_name: str) -> bool:
     """Exactly one rank writes each canonical tensor: TP rank 0 of the first data-parallel replica."""
     from megatron.core import parallel_state as ps
 
@@ -210,7 +210,7 @@ def export_hf_weights(model_chunks: list, model: ModelConfig, rules: list[Rule],
             continue  # the embedding is written from the first stage
         name, place = canonical(local_name, tensor, chunk, model)
         full = place.gather(tensor.detach())
-        if not _is_writer(name):
+        if not is_writer(name):
             continue
         candidates = rules_for(export_rules, name)
         if not candidates:

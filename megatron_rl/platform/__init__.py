@@ -223,8 +223,9 @@ def device() -> torch.device:
     return _cpu.CPU  # the one object megatron's torch.cuda.current_device() answers (syncs.py tells it from the host)
 
 
-def init_distributed(launch: Launch | None = None, timeout_minutes: int = 30) -> Launch:
-    """Start torch.distributed (once) for this process; returns where it sits."""
+def init_distributed(launch: Launch | None = None, timeout_minutes: int = 30, rollout_ranks: int = 0) -> Launch:
+    """Start torch.distributed (once) for this process; returns where it sits. rollout_ranks > 0 splits
+    the job (platform/bridge.py): the default process group is then this rank's side's."""
     launch = launch or read_launch()
     if dist.is_initialized():
         return launch
@@ -235,17 +236,20 @@ def init_distributed(launch: Launch | None = None, timeout_minutes: int = 30) ->
     # On GPUs, NCCL for CUDA tensors and gloo for the CPU tensors that metrics and flags use (a plain
     # "nccl" group refuses a CPU tensor: "No backend type associated with device type cpu").
     backend = "cpu:gloo,cuda:nccl" if has_cuda() else "gloo"
+    timeout = timedelta(minutes=timeout_minutes)
     if launch.world_size == 1:  # nothing to meet: a store in memory, so one-process runs never compete for a port
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timedelta(minutes=timeout_minutes))
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return launch
     try:
-        dist.init_process_group(
-            backend=backend,
-            init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-            rank=launch.rank, world_size=launch.world_size,
-            timeout=timedelta(minutes=timeout_minutes),
-        )
+        if rollout_ranks:
+            from .bridge import init_split
+
+            store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, launch.rank == 0,
+                                  timeout=timeout)
+            init_split(store, launch.rank, launch.world_size, rollout_ranks, backend, timeout)
+        else:
+            dist.init_process_group(backend=backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+                                    rank=launch.rank, world_size=launch.world_size, timeout=timeout)
     except dist.DistNetworkError as e:
         if "address already in use" not in str(e).lower():
             raise
@@ -395,8 +399,11 @@ def shutdown():
 
     from megatron_rl.platform import watchdog
 
+    from . import bridge
+
     watchdog.stop()  # before the store goes away
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    bridge.leave()

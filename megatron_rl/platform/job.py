@@ -28,7 +28,7 @@ def start(launch: Launch, cfg: Config) -> None:
     keep_freed_memory()
     if cfg.train.threads:  # a run's numbers depend on the thread count on the CPU: recipes pin it
         torch.set_num_threads(cfg.train.threads)
-    init_distributed(launch)
+    init_distributed(launch, rollout_ranks=cfg.parallel.rollout_ranks)
     p = cfg.parallel
     if launch.rank == 0:
         for line in (launch.describe() if launch.world_size > 1 else None, check_cuda_connections(p.tp, p.cp)):
@@ -41,14 +41,19 @@ def start(launch: Launch, cfg: Config) -> None:
     tie_process_lifetimes()
     import torch.distributed as dist
 
-    watchdog.start(dist.distributed_c10d._get_default_store(), launch.rank, launch.world_size,
-                   cfg.train.hang_timeout_s)
+    from . import bridge
+
+    split = bridge.side() is not None  # the watchdog watches both sides of a disaggregated job
+    watchdog.start(bridge.job_store() if split else dist.distributed_c10d._get_default_store(), launch.rank,
+                   launch.world_size, cfg.train.hang_timeout_s, barrier=bridge.bridge().barrier if split else None)
 
 
 def init_layout(cfg: Config) -> None:
-    """megatron's model-parallel groups for cfg.parallel, its RNG seeded with train.seed (decode CUDA graphs
-    where rollout.cuda_graphs asks for them)."""
-    p = cfg.parallel
+    """megatron's model-parallel groups for cfg.parallel (on a generation rank, its generation_layout()),
+    its RNG seeded with train.seed (decode CUDA graphs where rollout.cuda_graphs asks for them)."""
+    from .bridge import side
+
+    p = cfg.parallel.generation_layout() if side() is not None and side().name == "rollout" else cfg.parallel
     init_model_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp if p.vpp > 1 else None, cp=p.cp, ep=p.ep, etp=p.etp or None,
                         seed=cfg.train.seed, cuda_graphs=cfg.rollout.cuda_graphs)
 

@@ -84,9 +84,10 @@ def peer_failed() -> bool:
         return True
 
 
-def start(store, rank: int, world_size: int, timeout: float):
+def start(store, rank: int, world_size: int, timeout: float, barrier=None):
     """Start this rank's watchdog thread (world_size > 1; timeout 0: off). Collective: every rank
-    publishes once before any watchdog reads."""
+    publishes once before any watchdog reads (barrier: one over all `world_size` ranks, default
+    torch.distributed's)."""
     global _store
     import torch.distributed as dist
 
@@ -96,7 +97,7 @@ def start(store, rank: int, world_size: int, timeout: float):
     _store = store
     interval = max(0.5, min(5.0, timeout / 5))
     _publish(store, rank, 0)
-    dist.barrier()
+    (barrier or dist.barrier)()
     threading.Thread(target=_watch, args=(store, rank, world_size, timeout, interval), name="watchdog",
                      daemon=True).start()
 

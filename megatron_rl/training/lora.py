@@ -257,10 +257,19 @@ def parameter_counts(chunks: list, model_cfg) -> tuple[int, int]:
 
 def merge(chunks: list):
     """Fold every adapter into its base weight: W += (alpha / rank) B A (the adapters stay as they are)."""
+    found = deltas(chunks)
     with torch.no_grad():
         for chunk in chunks:
-            for name, base, parent in list(_based(chunk)):
-                base.weight.add_(getattr(parent, name + ADAPTERS).delta().to(base.weight.dtype))
+            for _, base, _ in list(_based(chunk)):
+                base.weight.add_(found[id(base.weight)])
+
+
+def deltas(chunks: list) -> dict[int, torch.Tensor]:
+    """(alpha / rank) B A of every adapted layer, by the id of its base weight (a collective over tensor-
+    parallel ranks): what merge would add, leaving the model as it is."""
+    with torch.no_grad():
+        return {id(base.weight): getattr(parent, name + ADAPTERS).delta().to(base.weight.dtype)
+                for chunk in chunks for name, base, parent in list(_based(chunk))}
 
 
 def merge_and_reset(chunks: list, model_cfg, seed: int):

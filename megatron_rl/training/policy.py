@@ -110,7 +110,9 @@ def policy_gradient_loss(cfg: Config, batch: dict, logits: torch.Tensor, keep_lo
     logp = token_logprobs(logits, batch["labels"])  # (B, S)
     if keep_logp is not None:
         keep_logp(batch, logp.detach())
-    old = batch["old_logp"] if keep_logp is None else logp.detach()
+    proximal = batch["old_logp"] if keep_logp is None else logp.detach()
+    # off_policy=rollout_ratio: the behaviour policy (the rollout's) is the old one the ratio is taken against
+    old = batch["rollout_logp"] if a.stale() and a.off_policy == "rollout_ratio" else proximal
     loss, clipped = clipped_loss(a, logp, old, batch["advantages"], mask)
     report = {"clipped": losses.masked_sum(clipped.float(), mask).detach()}
     if a.kl_coef:
@@ -118,9 +120,9 @@ def policy_gradient_loss(cfg: Config, batch: dict, logits: torch.Tensor, keep_lo
         if not kl_in_reward(a):
             loss = loss + a.kl_coef * kl
         report["kl_sum"] = losses.masked_sum(kl, mask).detach()
-    if a.mismatch_correction != "none":
-        weights, masked = losses.mismatch_weights(old, batch["rollout_logp"], mask,
-                                                  a.mismatch_correction, a.mismatch_threshold)
+    if a.correction() != "none":  # off_policy=decoupled: AReaL's behaviour weight p_proximal / p_rollout
+        weights, masked = losses.mismatch_weights(proximal, batch["rollout_logp"], mask, a.correction(),
+                                                  a.mismatch_threshold)
         loss = loss * weights
         report["mismatch_masked"] = losses.masked_sum(masked.float(), mask)
     num, den = losses.aggregate(loss, mask, a.loss_aggregation, cfg.rollout.max_new_tokens,
@@ -170,6 +172,6 @@ def train_policy(trainee, cfg: Config, batch: RLBatch, tape=None) -> tuple[dict,
     out = {"train/loss": sums.get("loss_num", 0.0) / max(sums.get("loss_den", 0.0), 1.0),
            "train/clip_frac": sums.get("clipped", 0.0) / tokens, "train/entropy": sums.get("entropy_sum", 0.0) / tokens,
            "train/grad_norm": sum(grad_norms) / len(grad_norms), "train/kl": sums.get("kl_sum", 0.0) / tokens}
-    if a.mismatch_correction != "none":
+    if a.correction() != "none":
         out["train/mismatch_masked_frac"] = sums.get("mismatch_masked", 0.0) / tokens
     return out, old_logp
