@@ -139,6 +139,17 @@ def tiny_grpo_is() -> Config:
     return _tiny_variant(mismatch_correction="token_truncate", mismatch_threshold=2.0)
 
 
+@register
+def tiny_grpo_async() -> Config:
+    """tiny_grpo disaggregated and one step off-policy: run with torchrun --nproc_per_node 2. Rank 1 only
+    generates (parallel.rollout_ranks=1), rank 0 only trains; rank 1 samples the next batch with the
+    weights it has while rank 0 trains on the last one (algorithm.max_staleness=1), and the loss corrects
+    for it with AReaL's decoupled objective (algorithm.off_policy=decoupled)."""
+    cfg = _tiny_variant(max_staleness=1, off_policy="decoupled")
+    cfg.parallel.rollout_ranks = 1
+    return cfg
+
+
 def tiny_moe_model() -> ModelConfig:
     """Qwen3-MoE-shaped: q/k norms, 8 experts of which each token uses 2."""
     return ModelConfig(family="qwen", num_layers=2, hidden_size=128, ffn_hidden_size=512, num_attention_heads=4,

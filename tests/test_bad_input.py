@@ -197,6 +197,20 @@ CASES = {
     # layouts
     "TP larger than the world": (lambda f: ["--recipe", "tiny_sft", "parallel.tp=2"], "world size"),
     "EP not dividing the experts": (lambda f: ["--recipe", "tiny_moe_sft", "parallel.ep=3"], "parallel.ep"),
+    # disaggregated and asynchronous RL (a printed recipe is checked against its own world: tp x pp x cp x dp + rollout_ranks)
+    "generation ranks leave no trainer": (lambda f: ["--recipe", "tiny_grpo", *QUIET, "parallel.rollout_ranks=1"],
+                                          "leaves no training rank in a job of 1 rank(s)"),
+    "generation layout not dividing its ranks": (lambda f: ["--recipe", "tiny_grpo", "parallel.rollout_ranks=3",
+                                                            "parallel.rollout_tp=2", "--print-config"],
+                                                 "the generation ranks' layout (parallel.rollout_tp=2"),
+    "negative staleness": (lambda f: ["--recipe", "tiny_grpo", *QUIET, "algorithm.max_staleness=-1"],
+                           "algorithm.max_staleness=-1 must be >= 0"),
+    "staleness without generation ranks": (lambda f: ["--recipe", "tiny_grpo", *QUIET, "algorithm.max_staleness=1"],
+                                           "needs generation ranks"),
+    "staleness without a correction": (lambda f: ["--recipe", "tiny_grpo_async", "algorithm.off_policy=none",
+                                                  "--print-config"], "without a correction biases the gradient"),
+    "generation ranks for DPO": (lambda f: ["--recipe", "tiny_dpo", "parallel.rollout_ranks=1", "--print-config"],
+                                 "algorithm.name=dpo does not (only grpo and ppo do)"),
     # distillation
     "distill without a teacher": (lambda f: [*_distill(f), "distill.teacher="], "needs a teacher"),
     "distill top-k below 1": (lambda f: [*_distill(f), "distill.topk=0"], "distill.topk=0 must be at least 1"),

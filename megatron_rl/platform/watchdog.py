@@ -9,7 +9,8 @@ watchdog thread that talks through the process group's store:
   last beat and a sign of life every few seconds;
 - rank 0's watchdog reads everyone's: a rank whose watchdog stopped publishing has died; and if no
   rank has beaten for `timeout` seconds (none makes progress, so none is waiting for a slow peer),
-  the rank whose last beat is oldest is frozen (the others went on to wait in a collective);
+  the rank whose last beat is oldest is frozen (the others went on to wait in a collective), passing
+  over ranks whose phase says they wait for others ("waiting ...": a disaggregated job's sides);
 - a rank that raises (train.py) or a verdict of rank 0 sets the store's abort key: every watchdog
   sees it within seconds and ends its process (exit 1). The rank that failed prints its error;
   a frozen rank prints its stacks; the others leave quietly.
@@ -27,6 +28,7 @@ import threading
 import time
 
 ABORT = "watchdog/abort"
+WAITING = "waiting"  # a phase that begins so waits for other ranks' work: never the one called frozen
 _state = {"time": time.time(), "phase": "setup", "patient": 1, "setup": True,  # until steps_started()
           "stopping": False}
 _store = None  # set while a watchdog runs
@@ -161,6 +163,8 @@ def _judge(store, world_size: int, seen: dict, timeout: float, dead_after: float
     quiet = time.time() - max(t for t, _ in beats.values())
     if patient or quiet <= timeout:
         return None
-    r = min(beats, key=lambda k: beats[k][0])
+    # A rank waiting on purpose for the other side of a disaggregated job is not the one that froze
+    working = [k for k in beats if not beats[k][1].startswith(WAITING)] or list(beats)
+    r = min(working, key=lambda k: beats[k][0])
     return f"frozen {r}: no rank made progress for {quiet:.0f} s (train.hang_timeout_s={timeout:g}); rank {r} " \
            f"stopped first, in phase '{beats[r][1]}' (its stacks follow); every rank stops"

@@ -114,6 +114,7 @@ class Disaggregated:
                                           "data": run.data.state_dict(), "step": run.step}, 0)
 
     def _command(self, op: str, **fields):
+        watchdog.beat(f"{watchdog.WAITING} for the generation ranks")  # they may be busy sampling ahead
         bridge.bridge().broadcast_object({"op": op, **fields}, 0)
 
     def _hand_over(self):
@@ -130,7 +131,6 @@ class Disaggregated:
 
         self._hand_over()
         self._command("batch", step=step)
-        watchdog.beat("waiting for rollouts")
         parts = {}
         for src in _leaders(self.cfg):
             parts.update(bridge.bridge().broadcast_object(None, src))
@@ -139,6 +139,9 @@ class Disaggregated:
         if not 0 <= staleness <= self.cfg.algorithm.max_staleness:
             raise RuntimeError(f"step {step} got rollouts of weights {batch['version']}: staleness {staleness} is "
                                f"outside [0, algorithm.max_staleness={self.cfg.algorithm.max_staleness}]")
+        if batch["data_before"] != self.run.data.state_dict():  # every prompt is trained once, resumed or not
+            raise RuntimeError(f"step {step}'s rollouts start at data position {batch['data_before']}, not where the "
+                               f"last step's ended ({self.run.data.state_dict()})")
         self.run.data.load_state_dict(batch["data"])  # the position after this batch: what a checkpoint resumes
         refit, self.refit = self.refit, {}
         scored = batch["scored"]
@@ -148,7 +151,6 @@ class Disaggregated:
     def validate(self) -> dict:
         self._hand_over()
         self._command("eval")
-        watchdog.beat("waiting for evaluation")
         return bridge.bridge().broadcast_object(None, bridge.side().trainers)
 
     def finish(self):
@@ -191,11 +193,13 @@ class _Generator:
 
     def make(self, step: int) -> dict:
         """The batches of `step` for the training ranks this rank serves, by their data-parallel rank."""
+        start, before = time.perf_counter(), self.data.state_dict()
         scored, sampling = sample_groups(self.cfg, step, self.engine, self.scorer, self.tokenizer, self._next_prompts,
                                          self.dp_rank, self.tape)
         per_rank = len(scored.prompts) // len(self.mine)
+        sampling["perf/generation_s"] = time.perf_counter() - start
         return {d: {"scored": scored.select(list(range(i * per_rank, (i + 1) * per_rank)), self.cfg.rollout.n),
-                    "sampling": sampling, "version": self.version, "data": self.data.state_dict()}
+                    "sampling": sampling, "version": self.version, "data_before": before, "data": self.data.state_dict()}
                 for i, d in enumerate(self.mine)}
 
     def send(self, step: int, last: int):
@@ -203,6 +207,7 @@ class _Generator:
         with the weights at hand."""
         from megatron.core import parallel_state as ps
 
+        watchdog.beat("rollout")
         mine = self.ready.pop(step) if step in self.ready else self.make(step)
         for src in _leaders(self.cfg):
             leader = bridge.side().rank == src and ps.get_tensor_model_parallel_rank() == 0
@@ -225,7 +230,7 @@ def serve(cfg: Config) -> dict:
     watchdog.steps_started()
     try:
         while True:
-            watchdog.beat("waiting for the training ranks")
+            watchdog.beat(f"{watchdog.WAITING} for the training ranks")
             command = b.broadcast_object(None, 0)
             match command["op"]:
                 case "weights":
@@ -234,6 +239,7 @@ def serve(cfg: Config) -> dict:
                 case "batch":
                     gen.send(command["step"], cfg.train.max_steps - 1)
                 case "eval":
+                    watchdog.beat("evaluation")
                     metrics = greedy_eval(gen.engine, gen.val_scorer, gen.tokenizer, *gen.val, cfg)
                     b.broadcast_object(metrics, bridge.side().trainers)
                 case "stop":

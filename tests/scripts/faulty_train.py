@@ -1,4 +1,5 @@
-"""train.py with faults injected on one rank at given optimizer steps (tests/test_faults.py):
+"""train.py with faults injected on one rank at given optimizer steps (on a generation rank of a disaggregated
+job: at given batches it makes) (tests/test_faults.py):
 
     torchrun --nproc_per_node 2 tests/scripts/faulty_train.py RANK FAULT@STEP[,FAULT@STEP...] [train.py arguments]
 
@@ -16,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import train  # noqa: E402
 from megatron_rl.platform import watchdog  # noqa: E402
+from megatron_rl.rollout import disaggregated  # noqa: E402
 from megatron_rl.training import step as training_step  # noqa: E402
 
 rank = int(sys.argv[1])
@@ -29,7 +31,8 @@ class SlowToPrint(RuntimeError):
         return super().__str__()
 
 
-def faulty(trainee):
+def inject():
+    """The fault for this call (the STEP-th on RANK), done here or left to the caller (None, or a fault it does)."""
     steps[0] += 1
     fault = faults.get(steps[0]) if int(os.environ.get("RANK", "0")) == rank else None
     if fault in ("raise", "slow_raise"):
@@ -42,9 +45,20 @@ def faulty(trainee):
     if fault == "patient":
         with watchdog.patient("a long save"):
             time.sleep(15)
+
+
+def faulty(trainee):
+    inject()
     return optimizer_step(trainee)
 
 
+def faulty_batch(self, step):
+    """A generation rank of a disaggregated job (parallel.rollout_ranks): its STEP-th batch."""
+    inject()
+    return make_batch(self, step)
+
+
 training_step.optimizer_step = faulty
+make_batch, disaggregated._Generator.make = disaggregated._Generator.make, faulty_batch
 if __name__ == "__main__":
     sys.exit(train.main(sys.argv[3:]))
