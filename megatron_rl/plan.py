@@ -43,6 +43,7 @@ class StagePlan:
     reserve: int = RUNTIME_RESERVE
     host: int = 0  # bytes of optimizer state this rank keeps in host memory (optimizer.cpu_offload)
     others: int = 0  # bytes of the other models on this rank (reference, critic with its gradients and optimizer, ...)
+    role: str = "train"  # or "generate": a generation rank of a disaggregated job (parallel.rollout_ranks)
 
     @property
     def total(self) -> int:
@@ -62,6 +63,7 @@ class Plan:
     train_flops: float = 0.0  # per optimizer step, all ranks
     rollout_flops: float = 0.0  # per step's rollouts and logprob passes, all ranks
     others: list[str] = field(default_factory=list)  # the other models counted in each stage's `others`
+    parallel: object = None  # the ParallelConfig planned
 
     @property
     def gpu_bytes(self) -> float:
@@ -194,12 +196,13 @@ def plan(cfg: Config, world_size: int = 0, gpu: str = "h100") -> Plan:
     p = cfg.parallel
     world_size = world_size or cfg.parallel.recipe_world_size()
     cfg.validate(world_size)
-    dp = p.data_parallel_size(world_size)
-    expert_dp = world_size // (p.pp * p.ep * (p.etp or p.tp))
+    trainers = p.trainers(world_size)  # all ranks, unless generation ranks (parallel.rollout_ranks) are apart
+    dp = p.data_parallel_size(trainers)
+    expert_dp = trainers // (p.pp * p.ep * (p.etp or p.tp))
     wbytes = _dtype_bytes(cfg)
     state, host_state = optimizer_bytes_per_param(cfg)
-    result = Plan(cfg.recipe, world_size, gpu)
-    stages, dense_total, expert_total, result.adapter_params = _parameter_counts(cfg, world_size)
+    result = Plan(cfg.recipe, world_size, gpu, parallel=p)
+    stages, dense_total, expert_total, result.adapter_params = _parameter_counts(cfg, trainers)
     for stage, (rank, n, experts, kinds, trainable, trainable_experts) in enumerate(stages):
         layers = len(kinds)
         sharded = _optimizer_params(cfg, trainable, trainable_experts, dp, expert_dp)  # LoRA: the adapters only
@@ -207,14 +210,29 @@ def plan(cfg: Config, world_size: int = 0, gpu: str = "h100") -> Plan:
             stage=stage, rank=rank, layers=layers, params=n, expert_params=experts, weights=n * wbytes,
             grads=trainable * 4,  # gradients are reduced and kept in fp32 (grad_reduce_in_fp32)
             optimizer=int(state * sharded), activations=activation_bytes(cfg, layers, stage),
-            kv_cache=kv_cache_bytes(cfg, kinds), host=int(host_state * sharded)))
-    _add_other_models(cfg, world_size, result, dp, expert_dp)
+            kv_cache=0 if p.rollout_ranks else kv_cache_bytes(cfg, kinds), host=int(host_state * sharded)))
+    _add_other_models(cfg, trainers, result, dp, expert_dp)
+    if p.rollout_ranks:
+        result.stages.append(_generation_rank(cfg, trainers))
     m = cfg.model
     result.total_params = dense_total + expert_total
     routed = m.moe_topk / m.num_experts if m.num_experts else 1.0
     result.active_params = int(dense_total + expert_total * routed)
     result.train_flops, result.rollout_flops = step_flops(cfg, result.active_params)
     return result
+
+
+def _generation_rank(cfg: Config, trainers: int) -> StagePlan:
+    """The first generation rank of a disaggregated job: the policy's weights in the generation layout
+    (parallel.rollout_tp, rollout_ep, one stage, no adapters: they arrive merged) and the rollout's KV cache
+    of every layer; no gradients, optimizer state or training activations."""
+    from megatron_rl.config import LoRAConfig
+
+    g = dataclasses.replace(cfg, parallel=cfg.parallel.generation_layout(cfg.model), lora=LoRAConfig())
+    (rank, n, experts, kinds, _, _), = _parameter_counts(g, cfg.parallel.rollout_ranks)[0]
+    return StagePlan(stage=0, rank=trainers + rank, layers=len(kinds), params=n, expert_params=experts,
+                     weights=n * _dtype_bytes(cfg), grads=0, optimizer=0, activations=0,
+                     kv_cache=kv_cache_bytes(cfg, kinds), role="generate")
 
 
 def _optimizer_params(cfg: Config, n: int, experts: int, dp: int, expert_dp: int) -> int:
@@ -427,15 +445,23 @@ def format_plan(result: Plan) -> str:
                 if result.adapter_params else ""),
              "", "stage  rank layers  params(B)  weights  grads  optimizer  activations  kv-cache  reserve   others    total (GB)"]
     for s in result.stages:
-        lines.append(f"{s.stage:5d} {s.rank:5d} {s.layers:6d} {s.params / 1e9:10.2f} {gb(s.weights)} {gb(s.grads)}"
+        stage = f"{s.stage:5d}" if s.role == "train" else "  gen"
+        lines.append(f"{stage} {s.rank:5d} {s.layers:6d} {s.params / 1e9:10.2f} {gb(s.weights)} {gb(s.grads)}"
                      f" {gb(s.optimizer)}   {gb(s.activations)}  {gb(s.kv_cache)} {gb(s.reserve)} {gb(s.others)} {gb(s.total)}")
     worst = max(result.stages, key=lambda s: s.total)
     peak = GPU_BF16_TFLOPS[result.gpu] * 1e12 * result.world_size
     total = result.train_flops + result.rollout_flops
     lines += ["", f"model FLOPs per step: training {result.train_flops:.3g}, rollout and logprob passes "
                   f"{result.rollout_flops:.3g}; at 40% of the bf16 peak: {total / (0.4 * peak):.1f} s per step",
-              ("FITS" if result.fits else "DOES NOT FIT") + f": the fullest rank (stage {worst.stage}) needs "
+              ("FITS" if result.fits else "DOES NOT FIT") + ": the fullest rank ("
+              + (f"stage {worst.stage}" if worst.role == "train" else "a generation rank") + ") needs "
               f"{worst.total / 1e9:.1f} of {GPUS[result.gpu]} GB" + ("." if result.fits else ":")]
+    generation = [s for s in result.stages if s.role == "generate"]
+    if generation:
+        p = result.parallel
+        lines.insert(-1, f"gen: the first of {p.rollout_ranks} generation ranks (parallel.rollout_ranks; TP{p.rollout_tp}"
+                         f" x EP{p.rollout_ep}, one stage): the policy's weights and the rollout's KV cache only; the "
+                         f"other {result.world_size - p.rollout_ranks} ranks train and hold no KV cache")
     if result.others:
         lines.insert(-1, f"others: {', '.join(result.others)} (weights; a trained model also its gradients and "
                          "optimizer state)")

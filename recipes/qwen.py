@@ -1,5 +1,7 @@
 """Qwen: Qwen2.5 (dense, biased q/k/v) and Qwen3-MoE, GRPO on math (recipes/common.py says how to run them)."""
 
+import dataclasses
+
 from megatron_rl.config import Config, ModelConfig, ParallelConfig
 
 from . import register
@@ -21,6 +23,23 @@ def qwen3_30b_a3b_grpo() -> Config:
     """
     return math_grpo(_qwen3_moe(48, 2048, 32, 768), ParallelConfig(tp=2, sp=True, ep=8, etp=1, dp=8),
                      prompts_per_step=64, max_requests=64, kv_cache_gb=8)
+
+
+@register
+def qwen3_30b_a3b_grpo_async() -> Config:
+    """Qwen3-30B-A3B, GRPO on math one step off-policy, in the shape of NeMo RL's async run: 4 nodes x 8 H100,
+    16 of them generating (parallel.rollout_ranks=16: 8 copies of the policy at TP2, experts over EP8) while
+    the other 16 train in qwen3_30b_a3b_grpo's layout (TP2 + SP, EP8, DP8); rollouts at most one step old
+    (algorithm.max_staleness=1), AReaL's decoupled objective; bf16.
+
+    Planner: fits, 56.1 of 80 GB on the fullest rank (a training rank; a generation rank needs 53.1: weights
+    5.2, KV cache 42.9).
+    """
+    cfg = qwen3_30b_a3b_grpo()
+    cfg.parallel = dataclasses.replace(cfg.parallel, rollout_ranks=16, rollout_tp=2, rollout_ep=8)
+    cfg.algorithm = dataclasses.replace(cfg.algorithm, max_staleness=1, off_policy="decoupled")
+    cfg.rollout.kv_cache_gb = 40  # a generation rank holds no optimizer state: room for a large cache
+    return cfg
 
 
 @register(gpu="gb200")

@@ -140,3 +140,37 @@ def test_off_policy_objectives_by_hand(one_process, off_policy):
     (got,) = torch.autograd.grad(num / den, logits, retain_graph=True)
     (want,) = torch.autograd.grad(expected, logits)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-8)
+
+
+def test_one_step_off_policy_resumes_without_training_a_prompt_twice(tmp_path):
+    """kill -9 of torchrun in the middle of a k=1 run, then checkpoint.resume=auto: the batches sampled ahead
+    of the checkpoint are lost and sampled again from its data position with its weights (the first step
+    after the resume trains on rollouts of its own weights), so every step's prompts start where the last
+    trained step's ended (the trainer checks it for every batch), each step is logged once, and the run ends
+    at the data position of an uninterrupted run."""
+    import os
+    import signal
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.checkpointing import latest_checkpoint
+
+    run = ["--recipe", "tiny_grpo_async", *QUICK, "checkpoint.load=", "train.max_steps=8", "train.eval_every=0",
+           "algorithm.prompts_per_step=8", "rollout.n=4", "data.micro_batch_size=16", "checkpoint.save_every=2",
+           f"logging.run_dir={tmp_path}"]
+    proc = subprocess.Popen([*torchrun(2), "train.py", *run], cwd=ROOT, env=launch_env(2), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    while not (tmp_path / "checkpoints" / "step_0000004").exists():
+        assert proc.poll() is None
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    at = int(latest_checkpoint(tmp_path).name.removeprefix("step_"))  # 4, or 6 if it was quicker
+    run_train([*run, "checkpoint.resume=true"], nproc=2)
+    rows = [r for r in metrics(tmp_path) if "train/loss" in r]  # (step 0: the starting point's validation)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    resumed = rows[at]  # the first step after the checkpoint
+    assert resumed["rollout/staleness_max"] == 0 and resumed["rollout/weight_version"] == at
+    assert all(r["rollout/staleness_max"] == 1 for r in rows[at + 1:])
+    final = dist_checkpointing.load_common_state_dict(str(checkpoint_dir(tmp_path, 8)))
+    assert final["extra"]["data"] == {"consumed": 8 * 8}

@@ -178,7 +178,11 @@ def _without_timings(rows: list[dict]) -> list[dict]:
       "rollout.n=4", "data.micro_batch_size=16", "train.eval_every=0", "data.num_val=16", "logging.progress=false", "logging.tensorboard=false"], 1),
     (["--recipe", "tiny_dapo", "checkpoint.load=", "train.max_steps=10", "algorithm.prompts_per_step=8", "data.num_train=2000",
       "rollout.n=4", "data.micro_batch_size=16", "train.eval_every=0", "data.num_val=16", "logging.progress=false", "logging.tensorboard=false",
-      "parallel.dp=2"], 2)], ids=["sft", "dapo", "dapo-dp2"])
+      "parallel.dp=2"], 2),
+    # disaggregated, synchronous (algorithm.max_staleness=0): rank 1 generates, rank 0 trains
+    (["--recipe", "tiny_dapo", "checkpoint.load=", "train.max_steps=10", "algorithm.prompts_per_step=8", "data.num_train=2000",
+      "rollout.n=4", "data.micro_batch_size=16", "train.eval_every=0", "data.num_val=16", "logging.progress=false", "logging.tensorboard=false",
+      "parallel.rollout_ranks=1"], 2)], ids=["sft", "dapo", "dapo-dp2", "dapo-split"])
 def test_kill_9_anywhere_then_resume_is_bitwise(recipe, nproc, tmp_path):
     """kill -9 at five random moments (one inside a checkpoint save), each followed by a resume: every
     step after it equals the uninterrupted run bitwise (all metrics but timings), each step logged once."""

@@ -37,6 +37,19 @@ def test_plan_says_when_it_does_not_fit():
     assert bad.stderr.strip().splitlines()[-1].startswith("error: parallel.ep x expert tensor parallel = 3 x 1")
 
 
+def test_generation_ranks_are_planned_apart():
+    """parallel.rollout_ranks: the training ranks hold no KV cache; a generation rank holds the policy in its
+    own layout (TP2 of 32 GPUs' worth of experts over EP8) and the cache, no gradients or optimizer state."""
+    proc = _plan("--recipe", "qwen3_30b_a3b_grpo_async")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = {line.split()[0]: [float(x) for x in line.split()[1:]] for line in proc.stdout.splitlines()
+            if line.split() and line.split()[0] in ("0", "gen")}
+    rank, layers, params, weights, grads, optimizer, activations, kv, *_ = rows["gen"]
+    assert rank == 16 and layers == 48 and grads == optimizer == activations == 0 and kv > 40
+    assert rows["0"][7] == 0 and rows["0"][5] > 0  # the first training rank: no KV cache, optimizer state
+    assert "the first of 16 generation ranks" in proc.stdout
+
+
 FIT = """
 import json, sys
 from megatron_rl.config import apply_overrides

@@ -60,6 +60,7 @@ def test_recipe_architecture_is_the_published_model(recipe, hf, tmp_path):
 
 LARGE = {  # recipe -> published parameter count in billions (DeepSeek-V3 without its MTP layer)
     "llama32_1b_sft": 1.2, "llama32_1b_grpo": 1.2, "qwen25_32b_grpo": 32.8, "qwen25_32b_grpo_lora": 32.8, "qwen3_30b_a3b_grpo": 30.5,
+    "qwen3_30b_a3b_grpo_async": 30.5,
     "qwen3_30b_a3b_grpo_gb200": 30.5, "qwen3_235b_a22b_grpo": 235.1, "qwen3_235b_a22b_grpo_gb200": 235.1,
     "mixtral_8x7b_grpo": 46.7, "mixtral_8x7b_grpo_lora": 46.7, "nemotron4_340b_grpo_lora": 341.0, "deepseek_v3_grpo": 671.0, "deepseek_v3_grpo_gb200": 671.0, "nemotron4_340b_grpo": 341.0,
     "nemotron_grpo": 31.6, "nemotron_grpo_gb200": 31.6, "nemotron_h_8b_grpo": 8.1}
