@@ -59,6 +59,23 @@ class Bridge:
             return obj
         return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
 
+    def broadcast_tensors(self, tensors: dict | None, src: int) -> dict:
+        """{name: CPU tensor} from job rank `src`: their names, shapes and dtypes as one object, then one flat
+        buffer per dtype (no pickling of the data); every rank gets the dict (views into the buffers)."""
+        meta = self.broadcast_object([(k, tuple(t.shape), t.dtype) for k, t in tensors.items()]
+                                     if self.side.rank == src else None, src)
+        out = {}
+        for dtype in sorted({d for _, _, d in meta}, key=str):
+            names = [(k, shape) for k, shape, d in meta if d == dtype]
+            if self.side.rank == src:
+                flat = torch.cat([tensors[k].reshape(-1) for k, _ in names])
+            else:
+                flat = torch.empty(sum(torch.Size(shape).numel() for _, shape in names), dtype=dtype)
+            self.broadcast(flat.view(torch.uint8), src)  # bytes: gloo carries any dtype so
+            for (k, shape), part in zip(names, flat.split([torch.Size(s).numel() for _, s in names])):
+                out[k] = part.view(shape)
+        return out
+
     def barrier(self):
         self.group.barrier().wait()
 

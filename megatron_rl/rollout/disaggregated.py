@@ -70,7 +70,7 @@ def hand_over(chunks: list | None, model) -> dict:
     mine = _canonical_tensors(chunks, model) if side.name == "train" else None
     received = {}
     for src in range(side.trainers):
-        received.update(b.broadcast_object(mine if side.rank == src else None, src))
+        received.update(b.broadcast_tensors(mine if side.rank == src else None, src))
     if side.name == "rollout":
         with torch.no_grad():
             for chunk in chunks:
