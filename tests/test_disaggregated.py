@@ -174,3 +174,30 @@ def test_one_step_off_policy_resumes_without_training_a_prompt_twice(tmp_path):
     assert all(r["rollout/staleness_max"] == 1 for r in rows[at + 1:])
     final = dist_checkpointing.load_common_state_dict(str(checkpoint_dir(tmp_path, 8)))
     assert final["extra"]["data"] == {"consumed": 8 * 8}
+
+
+def test_a_preempted_generation_rank_stops_the_job_which_resumes(tmp_path):
+    """SIGUSR1 to the generation rank alone (a scheduler's notice): the training rank learns of it with the
+    next batch, finishes that step, saves and stops both sides (exit 0); checkpoint.resume=auto then goes on
+    to the end, each step logged once."""
+    import os
+    import signal
+
+    from megatron_rl.checkpointing import latest_checkpoint
+    from tests.test_faults import _rank_pid
+
+    run = ["--recipe", "tiny_grpo_async", *QUICK, "checkpoint.load=", "train.max_steps=12", "train.eval_every=0",
+           "algorithm.prompts_per_step=8", "rollout.n=4", "data.micro_batch_size=16", "checkpoint.resume=auto",
+           f"logging.run_dir={tmp_path}"]
+    proc = subprocess.Popen([*torchrun(2), "train.py", *run], cwd=ROOT, env=launch_env(2), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    while len(metrics(tmp_path) if (tmp_path / "metrics.jsonl").exists() else []) < 3:
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.05)
+    os.kill(_rank_pid(tmp_path, 1), signal.SIGUSR1)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    stopped = int(latest_checkpoint(tmp_path).name.removeprefix("step_"))
+    assert 2 <= stopped < 12
+    run_train(run, nproc=2)
+    assert [r["step"] for r in metrics(tmp_path) if "train/loss" in r] == list(range(1, 13))

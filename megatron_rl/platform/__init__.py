@@ -295,6 +295,17 @@ def watch_preemption():
 _interrupts = []  # when this process got SIGINT
 
 
+def signals_received() -> list[int]:
+    """The preemption signals (and Ctrl-C) this process got so far."""
+    return list(_preempted)
+
+
+def pass_on_preemption(signals: list[int]) -> None:
+    """Signals another process got count as this one's (a generation rank's, which never asks
+    preemption_requested itself: the training ranks stop, save, and stop it)."""
+    _preempted.extend(signals)
+
+
 def interrupted() -> bool:
     """Whether Ctrl-C (SIGINT) stopped this run (it exits 130)."""
     return bool(_interrupts)

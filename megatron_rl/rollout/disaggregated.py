@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from megatron_rl import platform
 from megatron_rl.config import Config, LoRAConfig
 from megatron_rl.data.batches import Batches
 from megatron_rl.platform import bridge, watchdog
@@ -134,6 +135,8 @@ class Disaggregated:
         parts = {}
         for src in _leaders(self.cfg):
             parts.update(bridge.bridge().broadcast_object(None, src))
+        for part in parts.values():  # every training rank sees every part: they stop together
+            platform.pass_on_preemption(part["signals"])
         batch = parts[ps.get_data_parallel_rank()]
         staleness = step - batch["version"]
         if not 0 <= staleness <= self.cfg.algorithm.max_staleness:
@@ -209,6 +212,8 @@ class _Generator:
 
         watchdog.beat("rollout")
         mine = self.ready.pop(step) if step in self.ready else self.make(step)
+        for part in mine.values():  # a preemption signal this rank got: the training ranks stop and save
+            part["signals"] = platform.signals_received()
         for src in _leaders(self.cfg):
             leader = bridge.side().rank == src and ps.get_tensor_model_parallel_rank() == 0
             bridge.bridge().broadcast_object(mine if leader else None, src)
