@@ -209,6 +209,8 @@ CASES = {
                                            "needs generation ranks"),
     "staleness without a correction": (lambda f: ["--recipe", "tiny_grpo_async", "algorithm.off_policy=none",
                                                   "--print-config"], "without a correction biases the gradient"),
+    "more generation copies than training replicas": (lambda f: ["--recipe", "tiny_grpo", "parallel.rollout_ranks=2",
+                                                                 "--print-config"], "must divide the training ranks' 1"),
     "generation ranks for DPO": (lambda f: ["--recipe", "tiny_dpo", "parallel.rollout_ranks=1", "--print-config"],
                                  "algorithm.name=dpo does not (only grpo and ppo do)"),
     # distillation

@@ -244,8 +244,9 @@ def init_distributed(launch: Launch | None = None, timeout_minutes: int = 30, ro
         if rollout_ranks:
             from .bridge import init_split
 
-            store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, launch.rank == 0,
-                                  timeout=timeout)
+            # the store init_process_group would make (torchrun's agent's, where it hosts one)
+            store, _, _ = next(dist.rendezvous(f"tcp://{launch.master_addr}:{launch.master_port}", launch.rank,
+                                               launch.world_size, timeout=timeout))
             init_split(store, launch.rank, launch.world_size, rollout_ranks, backend, timeout)
         else:
             dist.init_process_group(backend=backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
