@@ -201,3 +201,14 @@ def test_a_preempted_generation_rank_stops_the_job_which_resumes(tmp_path):
     assert 2 <= stopped < 12
     run_train(run, nproc=2)
     assert [r["step"] for r in metrics(tmp_path) if "train/loss" in r] == list(range(1, 13))
+
+
+def test_moe_routes_of_the_generation_copy_are_replayed_per_pipeline_stage(tmp_path):
+    """tiny_moe_grpo trained at PP2 from one generation rank (one stage): each training stage replays
+    its own layers' routes of the generation copy's (all layers, matched by layer number): every token
+    routed as in the rollout, and the rollout's logprobs equal the training forward's (fp32)."""
+    run_train(["--recipe", "tiny_moe_grpo", *QUICK, "checkpoint.load=", "parallel.rollout_ranks=1", "parallel.pp=2",
+               "train.max_steps=2", "train.eval_every=0", "checkpoint.save=false", "data.num_val=16",
+               f"logging.run_dir={tmp_path}"], nproc=3)
+    assert column(tmp_path, "moe/routing_replay_frac") == [1.0, 1.0]
+    assert max(column(tmp_path, "rollout/logprob_mismatch_max")) <= 1e-5

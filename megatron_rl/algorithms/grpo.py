@@ -137,7 +137,7 @@ def run(cfg: Config, run_dir: Path, critic_class=None) -> dict:
 
     def step() -> dict:
         with run.phase("rollout"):
-            scored, sampling = remote.sample(run.step) if remote else sample_groups(
+            scored, sampling = remote.sample(run.step, models.tape) if remote else sample_groups(
                 cfg, run.step, models.engine, models.scorer, tokenizer, next_prompts, dp_rank, models.tape)
             per_token = a.advantage_estimator == "reinforce_pp" or critic  # after the reference's logprobs
             advantages = None if per_token else advantages_of(cfg, scored)

@@ -117,10 +117,6 @@ class Config:
         if p.rollout_ranks and a.name not in ("grpo", "ppo"):
             raise ConfigError(f"parallel.rollout_ranks={p.rollout_ranks} gives generation ranks to a loop that rolls out; "
                               f"algorithm.name={a.name} does not (only grpo and ppo do): set parallel.rollout_ranks=0.")
-        if p.rollout_ranks and a.router_replay and p.pp > 1:
-            raise ConfigError("algorithm.router_replay with parallel.rollout_ranks needs parallel.pp=1: the generation "
-                              "ranks record every layer's routes, and splitting them over pipeline stages is not done "
-                              "yet; set parallel.pp=1 or algorithm.router_replay=false.")
         if p.rollout_ranks:
             copies, trainers_dp = p.rollout_ranks // p.rollout_tp, p.data_parallel_size(p.trainers(world_size))
             if trainers_dp % copies:

@@ -125,9 +125,10 @@ class Disaggregated:
             _, self.refit = hand_over(self.run.trainee.model, self.cfg.model)
             self.version = self.run.step
 
-    def sample(self, step: int) -> tuple[Scored, dict]:
+    def sample(self, step: int, tape=None) -> tuple[Scored, dict]:
         """This data-parallel rank's scored groups of `step` and the rollout/* statistics of their sampling
-        (with the staleness of every sample and the hand-over's time)."""
+        (with the staleness of every sample and the hand-over's time). tape: the trainee's RoutingTape (MoE),
+        whose layers' routes are taken from the generation copy's (all layers, one stage)."""
         from megatron.core import parallel_state as ps
 
         self._hand_over()
@@ -148,6 +149,9 @@ class Disaggregated:
         self.run.data.load_state_dict(batch["data"])  # the position after this batch: what a checkpoint resumes
         refit, self.refit = self.refit, {}
         scored = batch["scored"]
+        if tape is not None and scored.rollout.routes:  # this pipeline stage's (virtual stages') MoE layers
+            columns = [batch["layer_numbers"].index(n) for n in tape.layer_numbers]
+            scored.rollout.routes = [r[:, columns] for r in scored.rollout.routes]
         return scored, {**batch["sampling"], **refit, "rollout/staleness_mean": float(staleness),
                         "rollout/staleness_max": float(staleness), "rollout/weight_version": float(batch["version"])}
 
@@ -202,7 +206,8 @@ class _Generator:
         per_rank = len(scored.prompts) // len(self.mine)
         sampling["perf/generation_s"] = time.perf_counter() - start
         return {d: {"scored": scored.select(list(range(i * per_rank, (i + 1) * per_rank)), self.cfg.rollout.n),
-                    "sampling": sampling, "version": self.version, "data_before": before, "data": self.data.state_dict()}
+                    "sampling": sampling, "version": self.version, "data_before": before, "data": self.data.state_dict(),
+                    "layer_numbers": self.tape.layer_numbers if self.tape else []}
                 for i, d in enumerate(self.mine)}
 
     def send(self, step: int, last: int):

@@ -77,11 +77,13 @@ class RoutingTape:
         self.topk, self.sequence_parallel = topk, sequence_parallel
         self.mode = None
         self.layers: list[LayerTape] = []
+        self.layer_numbers: list[int] = []  # each router's layer in the whole model (1-based, megatron's)
         for chunk in model_chunks:
             for module in chunk.modules():
                 if isinstance(module, TopKRouter):
                     module.router_replay = LayerTape(self, len(self.layers))
                     self.layers.append(module.router_replay)
+                    self.layer_numbers.append(module.layer_number)
         self.context = None
         self.known = None  # (request id -> row, experts (rows, tokens, layers, topk)) routed again
         self.records: list[list] = []
