@@ -60,10 +60,9 @@ def _canonical_tensors(chunks: list, model) -> dict[str, torch.Tensor]:
     return out
 
 
-def hand_over(chunks: list | None, model) -> dict:
+def hand_over(chunks: list, model) -> dict:
     """Every rank of the job: the training ranks' weights (`chunks`, their policy) into the generation ranks'
-    copy (`chunks`, theirs). Returns {name: tensor} as received (what was sent, on every rank) and
-    perf/refit_s, perf/refit_mb."""
+    copy (`chunks`, theirs). Returns perf/refit_s and perf/refit_mb."""
     from megatron_rl.hf.weights import canonical, local_tensors
 
     start = time.perf_counter()
@@ -80,8 +79,8 @@ def hand_over(chunks: list | None, model) -> dict:
                     if name not in received:
                         raise RuntimeError(f"the training ranks sent no tensor {name!r} for the generation copy")
                     dst.copy_(place.slice(received[name]).to(dst.device))
-    return received, {"perf/refit_s": time.perf_counter() - start,
-                      "perf/refit_mb": sum(t.numel() * t.element_size() for t in received.values()) / 2**20}
+    return {"perf/refit_s": time.perf_counter() - start,
+            "perf/refit_mb": sum(t.numel() * t.element_size() for t in received.values()) / 2**20}
 
 
 def generation_config(cfg: Config) -> Config:
@@ -112,7 +111,7 @@ class Disaggregated:
         self.cfg, self.run, self.version, self.refit = cfg, run, None, {}
         bridge.bridge().broadcast_object({"tokenizer": tokenizer, "train": train, "val": val,
                                           "vocab_size": cfg.model.vocab_size,
-                                          "data": run.data.state_dict(), "step": run.step}, 0)
+                                          "data": run.data.state_dict()}, 0)
 
     def _command(self, op: str, **fields):
         watchdog.beat(f"{watchdog.WAITING} for the generation ranks")  # they may be busy sampling ahead
@@ -122,7 +121,7 @@ class Disaggregated:
         """The current weights to the generation ranks, unless they have them already."""
         if self.version != self.run.step:
             self._command("weights", version=self.run.step)
-            _, self.refit = hand_over(self.run.trainee.model, self.cfg.model)
+            self.refit = hand_over(self.run.trainee.model, self.cfg.model)
             self.version = self.run.step
 
     def sample(self, step: int, tape=None) -> tuple[Scored, dict]:
@@ -152,6 +151,7 @@ class Disaggregated:
         if tape is not None and scored.rollout.routes:  # this pipeline stage's (virtual stages') MoE layers
             columns = [batch["layer_numbers"].index(n) for n in tape.layer_numbers]
             scored.rollout.routes = [r[:, columns] for r in scored.rollout.routes]
+        # one weight version per batch (partial rollouts across a hand-over would mix them): mean = max
         return scored, {**batch["sampling"], **refit, "rollout/staleness_mean": float(staleness),
                         "rollout/staleness_max": float(staleness), "rollout/weight_version": float(batch["version"])}
 

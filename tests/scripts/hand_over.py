@@ -46,7 +46,7 @@ def generation_side(cfg, out: Path) -> dict:
     from megatron_rl.rollout.disaggregated import build_generation_model, hand_over
 
     chunks = build_generation_model(cfg)
-    _, perf = hand_over(chunks, cfg.model)
+    perf = hand_over(chunks, cfg.model)
     bridge.bridge().barrier()  # the checkpoint is written
     fresh = build_generation_model(cfg)
     checkpointing.load_weights(fresh, out)
