@@ -126,6 +126,14 @@ def _processes_of(run_dir) -> list[int]:
     return found
 
 
+def _saving(run_dir) -> bool:
+    """Whether a checkpoint is being written (files in a .partial directory) at this moment."""
+    try:
+        return any((run_dir / "checkpoints").glob(".step_*.partial/*"))
+    except FileNotFoundError:  # published (renamed into place) while being listed
+        return False
+
+
 def _kill_and_resume(run: list[str], run_dir, seed: int, kills: int = 5, nproc: int = 1) -> int:
     """Start `run` in run_dir, SIGKILL it at a random moment, resume; `kills` times, the second kill
     while a checkpoint is being written; then run to the end. One process: only the main process is
@@ -146,14 +154,14 @@ def _kill_and_resume(run: list[str], run_dir, seed: int, kills: int = 5, nproc: 
         t0 = time.time()
         while proc.poll() is None and time.time() - t0 < 120:
             rows = len((run_dir / "metrics.jsonl").read_text().splitlines()) if (run_dir / "metrics.jsonl").exists() else 0
-            saving = any((run_dir / "checkpoints").glob(".step_*.partial/*"))
+            saving = _saving(run_dir)
             if (kill == 1 and saving) or (kill != 1 and rows > logged + rng.randrange(3)):
                 break
             time.sleep(0.002)
         assert proc.poll() is None, f"the run ended before kill {kill}"
         if kill != 1:
             time.sleep(rng.uniform(0, 0.3))
-        in_save += any((run_dir / "checkpoints").glob(".step_*.partial/*"))
+        in_save += _saving(run_dir)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         deadline = time.time() + 5
