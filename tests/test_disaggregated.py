@@ -212,3 +212,16 @@ def test_moe_routes_of_the_generation_copy_are_replayed_per_pipeline_stage(tmp_p
                f"logging.run_dir={tmp_path}"], nproc=3)
     assert column(tmp_path, "moe/routing_replay_frac") == [1.0, 1.0]
     assert max(column(tmp_path, "rollout/logprob_mismatch_max")) <= 1e-5
+
+
+def test_bad_input_found_by_a_generation_rank_is_one_sentence(tmp_path):
+    """Only the generation ranks build the reward function of a split job: one they cannot load is said once,
+    by job rank 0 (a training rank), and nothing is left in the run directory."""
+    proc = subprocess.run([*torchrun(2), "train.py", "--recipe", "tiny_grpo", *QUICK, "parallel.rollout_ranks=1",
+                           "rewards.fn=nope_mod:score", "checkpoint.load=", f"logging.run_dir={tmp_path / 'run'}"],
+                          cwd=ROOT, env=launch_env(2), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    said = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert said == ["error: rewards.fn='nope_mod:score' cannot be loaded (No module named 'nope_mod'); check the "
+                    "module path and name."], proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()

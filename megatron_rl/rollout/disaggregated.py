@@ -28,7 +28,7 @@ import time
 import torch
 
 from megatron_rl import platform
-from megatron_rl.config import Config, LoRAConfig
+from megatron_rl.config import Config, ConfigError, LoRAConfig, UserError
 from megatron_rl.data.batches import Batches
 from megatron_rl.platform import bridge, watchdog
 from megatron_rl.rollout.engine import RolloutEngine
@@ -108,13 +108,18 @@ class Disaggregated:
     """The training ranks' end: rollouts from the generation ranks, and the weights handed to them."""
 
     def __init__(self, cfg: Config, run, tokenizer, train: tuple, val: tuple):
-        self.cfg, self.run, self.version, self.refit = cfg, run, None, {}
+        self.cfg, self.run, self.version, self.refit, self.ready = cfg, run, None, {}, False
         bridge.bridge().broadcast_object({"tokenizer": tokenizer, "train": train, "val": val,
                                           "vocab_size": cfg.model.vocab_size,
                                           "data": run.data.state_dict()}, 0)
 
     def _command(self, op: str, **fields):
         watchdog.beat(f"{watchdog.WAITING} for the generation ranks")  # they may be busy sampling ahead
+        if not self.ready:  # what the generation ranks found wrong setting up (a reward function, say)
+            problem = bridge.bridge().broadcast_object(None, bridge.side().trainers)
+            if problem:
+                raise ConfigError(problem)
+            self.ready = True
         bridge.bridge().broadcast_object({"op": op, **fields}, 0)
 
     def _hand_over(self):
@@ -236,7 +241,13 @@ def serve(cfg: Config) -> dict:
     b = bridge.bridge()
     hello = b.broadcast_object(None, 0)
     cfg.model.vocab_size = hello["vocab_size"]
-    gen = _Generator(cfg, hello)
+    try:
+        gen, problem = _Generator(cfg, hello), None
+    except UserError as e:  # the training ranks say it (job rank 0 speaks for the job), then all stop
+        gen, problem = None, str(e)
+    b.broadcast_object(problem, bridge.side().trainers)
+    if problem:
+        raise ConfigError(problem)
     watchdog.steps_started()
     try:
         while True:
