@@ -155,7 +155,9 @@ def _layout() -> tuple[int, ...]:
 def _is_distributed(optimizer) -> bool:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    return any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+    layer_wise = hasattr(optimizer, "allgather_params")  # megatron's layer-wise optimizer (Muon's distributed)
+    return layer_wise or any(isinstance(o, DistributedOptimizer)
+                             for o in getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def _rng_state():

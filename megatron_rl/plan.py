@@ -15,6 +15,7 @@ import torch
 
 from megatron_rl import platform  # noqa: F401  (CPU stand-ins for megatron-core, before it is imported)
 from megatron_rl.config import Config
+from megatron_rl.training.muon import is_matrix
 
 GPUS = {"a100": 80, "h100": 80, "h200": 141, "b200": 180, "gb200": 186}
 """GPU memory in GB (1e9 bytes) per device."""
@@ -44,6 +45,8 @@ class StagePlan:
     host: int = 0  # bytes of optimizer state this rank keeps in host memory (optimizer.cpu_offload)
     others: int = 0  # bytes of the other models on this rank (reference, critic with its gradients and optimizer, ...)
     role: str = "train"  # or "generate": a generation rank of a disaggregated job (parallel.rollout_ranks)
+    matrices: int = 0  # of the parameters it keeps optimizer state for, those Muon trains (optimizer.name=muon)
+    state_params: int = 0  # the parameters it keeps optimizer state for
 
     @property
     def total(self) -> int:
@@ -78,8 +81,11 @@ def _dtype_bytes(cfg: Config) -> int:
     return 4 if cfg.train.precision == "fp32" else 2  # 'auto' is bf16 on a GPU
 
 
-def optimizer_bytes_per_param(cfg: Config) -> tuple[float, float]:
+def optimizer_bytes_per_param(cfg: Config, matrix: bool = False) -> tuple[float, float]:
     """Optimizer state per parameter of a rank's shard: (in GPU memory, in host memory).
+
+    Muon (optimizer.name=muon) keeps one fp32 momentum per parameter of the matrices it trains (`matrix`),
+    plus the main copy with low-precision weights: 4 or 8 bytes; the other parameters are Adam's.
 
     Adam keeps exp_avg and exp_avg_sq, and with low-precision weights an fp32 main copy: 12 bytes.
     optimizer.state_dtype=bf16 (the precision-aware optimizer) keeps the moments in bf16 and the
@@ -88,7 +94,9 @@ def optimizer_bytes_per_param(cfg: Config) -> tuple[float, float]:
     hybrid optimizer also keeps an fp32 copy of their gradients: 16 bytes each there."""
     o = cfg.optimizer
     low_precision = _dtype_bytes(cfg) < 4
-    if o.name != "adam":
+    if o.name == "muon" and matrix:
+        return 4.0 + (4.0 if low_precision else 0.0), 0.0
+    if o.name not in ("adam", "muon"):
         return (4.0 if low_precision else 0.0), 0.0
     if o.state_dtype == "bf16":
         return 6.0, 0.0
@@ -203,14 +211,16 @@ def plan(cfg: Config, world_size: int = 0, gpu: str = "h100") -> Plan:
     state, host_state = optimizer_bytes_per_param(cfg)
     result = Plan(cfg.recipe, world_size, gpu, parallel=p)
     stages, dense_total, expert_total, result.adapter_params = _parameter_counts(cfg, trainers)
-    for stage, (rank, n, experts, kinds, trainable, trainable_experts) in enumerate(stages):
+    for stage, (rank, n, experts, kinds, trainable, trainable_experts, matrices) in enumerate(stages):
         layers = len(kinds)
         sharded = _optimizer_params(cfg, trainable, trainable_experts, dp, expert_dp)  # LoRA: the adapters only
+        in_matrices = sharded * matrices // max(trainable, 1) if cfg.optimizer.name == "muon" else 0
         result.stages.append(StagePlan(
             stage=stage, rank=rank, layers=layers, params=n, expert_params=experts, weights=n * wbytes,
             grads=trainable * 4,  # gradients are reduced and kept in fp32 (grad_reduce_in_fp32)
-            optimizer=int(state * sharded), activations=activation_bytes(cfg, layers, stage),
-            kv_cache=0 if p.rollout_ranks else kv_cache_bytes(cfg, kinds), host=int(host_state * sharded)))
+            optimizer=int(state * (sharded - in_matrices) + optimizer_bytes_per_param(cfg, True)[0] * in_matrices),
+            activations=activation_bytes(cfg, layers, stage), kv_cache=0 if p.rollout_ranks else kv_cache_bytes(cfg, kinds),
+            host=int(host_state * sharded), matrices=in_matrices, state_params=sharded))
     _add_other_models(cfg, trainers, result, dp, expert_dp)
     if p.rollout_ranks:
         result.stages.append(_generation_rank(cfg, trainers))
@@ -229,7 +239,7 @@ def _generation_rank(cfg: Config, trainers: int) -> StagePlan:
     from megatron_rl.config import LoRAConfig
 
     g = dataclasses.replace(cfg, parallel=cfg.parallel.generation_layout(cfg.model), lora=LoRAConfig())
-    (rank, n, experts, kinds, _, _), = _parameter_counts(g, cfg.parallel.rollout_ranks)[0]
+    (rank, n, experts, kinds, *_), = _parameter_counts(g, cfg.parallel.rollout_ranks)[0]
     return StagePlan(stage=0, rank=trainers + rank, layers=len(kinds), params=n, expert_params=experts,
                      weights=n * _dtype_bytes(cfg), grads=0, optimizer=0, activations=0,
                      kv_cache=kv_cache_bytes(cfg, kinds), role="generate")
@@ -304,7 +314,8 @@ _COUNTS: dict[str, tuple] = {}
 
 def _parameter_counts(cfg: Config, world_size: int) -> tuple[list[tuple], int, int, int]:
     """Per pipeline stage (its first rank, its parameters, of which in experts, its layers' kinds, its
-    trainable parameters and of which in experts: fewer than all with LoRA), and the whole model's dense,
+    trainable parameters and of which in experts: fewer than all with LoRA, and of which in the matrices
+    Muon trains), and the whole model's dense,
     expert and LoRA adapter parameters. They depend on the architecture and the layout only,
     so `fit` builds each layout once however many memory settings it tries."""
     p = cfg.parallel
@@ -319,7 +330,8 @@ def _parameter_counts(cfg: Config, world_size: int) -> tuple[list[tuple], int, i
             trained = [q for q in params if q.requires_grad]
             stages.append((rank, sum(q.numel() for q in params), sum(q.numel() for q in params if _is_expert(q)),
                            _layer_kinds(chunks), sum(q.numel() for q in trained),
-                           sum(q.numel() for q in trained if _is_expert(q))))
+                           sum(q.numel() for q in trained if _is_expert(q)),
+                           sum(q.numel() for q in trained if is_matrix(q))))
             # The whole model: TP-sharded parameters exist tp times, experts ep x etp times; LoRA's adapters
             # (the trainable parameters of a model with frozen ones) apart.
             lora = cfg.lora.rank > 0
@@ -465,6 +477,11 @@ def format_plan(result: Plan) -> str:
     if result.others:
         lines.insert(-1, f"others: {', '.join(result.others)} (weights; a trained model also its gradients and "
                          "optimizer state)")
+    muon = max(result.stages, key=lambda s: s.matrices)
+    if muon.matrices:
+        lines.insert(-1, f"optimizer.name=muon: stage {muon.stage}'s rank keeps state for {muon.state_params / 1e9:.2f}B "
+                         f"parameters: one momentum each for the {muon.matrices / 1e9:.2f}B in matrices (Muon), "
+                         f"Adam's two moments for the other {(muon.state_params - muon.matrices) / 1e9:.2f}B")
     host = max(s.host for s in result.stages)
     if host:
         lines.insert(-1, f"optimizer state in host memory (optimizer.cpu_offload): up to {host / 1e9:.1f} GB per GPU")

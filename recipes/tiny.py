@@ -40,6 +40,16 @@ def tiny_sft() -> Config:
     )
 
 
+@register
+def tiny_sft_muon() -> Config:
+    """tiny_sft with Muon (optimizer.name=muon): orthogonalized momentum for the hidden layers' matrices,
+    Adam for the embedding, output layer and norms, at tiny_sft's learning rate (Muon's update is scaled
+    to AdamW's RMS: optimizer.muon_lr_scale=match_rms_adamw)."""
+    cfg = tiny_sft()
+    cfg.optimizer = dataclasses.replace(cfg.optimizer, name="muon")
+    return cfg
+
+
 def _sft_of(model: ModelConfig) -> Config:
     """tiny_sft with another model, 800 steps."""
     cfg = tiny_sft()

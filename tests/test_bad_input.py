@@ -148,6 +148,8 @@ CASES = {
     "unknown task": (lambda f: ["--recipe", "tiny_sft", "data.task=poetry"], "unknown data.task"),
     "unknown algorithm": (lambda f: ["--recipe", "tiny_sft", "algorithm.name=trpo"], "algorithm.name"),
     "unknown optimizer": (lambda f: ["--recipe", "tiny_sft", "optimizer.name=lion"], "optimizer.name"),
+    "Muon option out of range": (lambda f: ["--recipe", "tiny_sft_muon", "optimizer.muon_ns_steps=100"],
+                                 "optimizer.muon_ns_steps=100 is out of range"),
     # data files
     "no such data file": (lambda f: _sft(f, "good", f"data.train_path={f['dir']}/nope.jsonl"), "does not exist"),
     "a directory": (lambda f: _sft(f, "dir"), "is a directory"),

@@ -75,6 +75,19 @@ def test_cli_errors_are_one_line():
     (["optimizer.cpu_offload=1", "optimizer.state_dtype=bf16", "optimizer.distributed=true"],
      "optimizer.state_dtype=bf16 and optimizer.cpu_offload do not combine (megatron-core's offloaded optimizer keeps "
      "fp32 state): choose one."),
+    (["optimizer.name=muon", "optimizer.muon_momentum=1"], "optimizer.muon_momentum=1.0 is out of range: give a number "
+                                                           "in [0, 1) (0.95 is usual)."),
+    (["optimizer.name=muon", "optimizer.muon_ns_steps=0"], "optimizer.muon_ns_steps=0 is out of range: give 1 to 99 "
+                                                           "Newton-Schulz iterations (5 is usual)."),
+    (["optimizer.name=muon", "optimizer.muon_ns_coefficients=3.4,-4.7"],
+     "optimizer.muon_ns_coefficients has 2 numbers; the quintic iteration takes three, a,b,c (default "
+     "3.4445,-4.775,2.0315)."),
+    (["optimizer.name=muon", "optimizer.state_dtype=bf16", "optimizer.distributed=true"],
+     "optimizer.state_dtype=bf16 is Adam's (megatron-core's precision-aware optimizer): Muon keeps one fp32 momentum "
+     "per matrix on the device; with optimizer.name=muon drop it."),
+    (["optimizer.name=muon", "optimizer.cpu_offload=1", "optimizer.distributed=true"],
+     "optimizer.cpu_offload is Adam's (megatron-core's precision-aware optimizer): Muon keeps one fp32 momentum per "
+     "matrix on the device; with optimizer.name=muon drop it."),
 ])
 def test_optimizer_memory_settings_refused(overrides, message):
     cfg = apply_overrides(get_recipe("tiny_sft"), overrides)

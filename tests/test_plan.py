@@ -14,7 +14,7 @@ def _plan(*args) -> subprocess.CompletedProcess:
                           timeout=300, env={"PYTHONWARNINGS": "ignore", "PATH": "/usr/bin:/bin"})
 
 
-@pytest.mark.parametrize("extra", [[], ["lora.rank=4"]], ids=["full", "lora"])
+@pytest.mark.parametrize("extra", [[], ["lora.rank=4"], ["optimizer.name=muon"]], ids=["full", "lora", "muon"])
 def test_plan_bytes_equal_real_allocations(extra, tmp_path):
     proc = subprocess.run([sys.executable, "tests/scripts/plan_vs_real.py", str(tmp_path), *extra], cwd=ROOT,
                           capture_output=True, text=True, timeout=300,
@@ -23,8 +23,10 @@ def test_plan_bytes_equal_real_allocations(extra, tmp_path):
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     for name, (planned, real) in counts.items():
         assert planned == real, (name, planned, real)
-    if extra:  # LoRA: gradients and Adam state for the adapters alone, a small part of the weights
+    if extra == ["lora.rank=4"]:  # LoRA: gradients and Adam state for the adapters alone, a small part of the weights
         assert counts["grads"][1] < 0.2 * counts["weights"][1] / 2 * 4
+    if extra == ["optimizer.name=muon"]:  # 8 bytes (momentum, main copy) for most parameters instead of 12
+        assert counts["optimizer"][1] < 0.8 * counts["grads"][1] / 4 * 12
 
 
 def test_plan_says_when_it_does_not_fit():

@@ -571,11 +571,11 @@ def run(lazy):
     platform.init_model_parallel(seed=7)
     cfg = Config()
     cfg.model.vocab_size = 16
-    plain = setup.allocate_adam_state
+    plain = setup.allocate_state
     if lazy:
-        setup.allocate_adam_state = lambda optimizer: None
+        setup.allocate_state = lambda optimizer: None
     trainee = setup.build_trainee(cfg)
-    setup.allocate_adam_state = plain
+    setup.allocate_state = plain
     made = all(len(o.state[p]) == 3 for o in inner(trainee) for g in o.param_groups for p in g["params"])
     for k in range(2):
         zero_grads(trainee)
@@ -596,7 +596,54 @@ print("ok")
 
 
 def test_adam_state_is_made_at_setup_and_steps_as_torchs_own(tmp_path):
-    """allocate_adam_state makes what torch's Adam makes at its first step: two steps then give the
+    """allocate_state makes what torch's Adam makes at its first step: two steps then give the
     same parameters, bit for bit, as with torch's lazy state."""
     out = _run_script(ADAM_STATE, tmp_path)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+# A garbage cycle the parent has not collected when reward workers fork; each worker collects. Its
+# finalizer records the process that ran it: the parent only (the platform freezes the heap across each
+# fork). Undone in the child ("undo": gc.unfreeze after the fork), every worker finalizes it again.
+FORK_GC = """
+import gc, os, sys
+import megatron_rl.platform
+from megatron_rl.environments import EnvRunner, Environment, Turn
+
+if sys.argv[2] == "undo":
+    os.register_at_fork(after_in_child=gc.unfreeze)
+
+class Cycle:
+    def __del__(self):
+        with open(sys.argv[1], "a") as f:
+            f.write(f"{os.getpid()}\\n")
+
+class Collecting(Environment):
+    def __init__(self, cfg=None):
+        pass
+
+    def step_one(self, conversation, metadata):
+        gc.collect()
+        return Turn(reward=1.0)
+
+gc.disable()
+cycle = Cycle()
+cycle.me = cycle
+del cycle
+runner = EnvRunner(Collecting(), timeout=10, workers=2)
+assert [t.reward for t in runner.step([[{"role": "user", "content": "p"}]] * 4, [{}] * 4).turns] == [1.0] * 4
+runner.close()
+gc.enable()
+gc.collect()
+print(os.getpid(), open(sys.argv[1]).read().split())
+"""
+
+
+@pytest.mark.parametrize("undo", [False, True], ids=["frozen", "undone"])
+def test_forked_workers_never_collect_what_they_inherited(undo, tmp_path):
+    """After many runs in one process, reward workers segfaulted in the garbage collector (finalizing
+    the parent's objects) and the run waited out every job's timeout (test_readme.py, 1 run in 6)."""
+    out = _run_script(FORK_GC, tmp_path, tmp_path / "finalized", "undo" if undo else "fix")
+    assert out.returncode == 0, out.stderr[-3000:]
+    parent, finalized = out.stdout.split(" ", 1)
+    assert (eval(finalized) == [parent]) != undo, out.stdout

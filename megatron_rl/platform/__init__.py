@@ -7,6 +7,7 @@ SLURM_NODELIST), or a plain single process.
 """
 
 import contextlib
+import gc
 import os
 import re
 import warnings
@@ -36,6 +37,14 @@ for _message, _module in ((r"Transformer Engine and Apex are not installed", r"m
                           (r"Please use DTensor instead and we are deprecating ShardedTensor", r"torch\.distributed"),
                           (r"`load_state_dict` is deprecated", r"megatron\.core\.dist_checkpointing")):
     warnings.filterwarnings("ignore", message=_message, module=_module + r"(\.|$)")
+
+# A forked child (a reward worker, a checkpoint writer) never garbage-collects what it inherited: the
+# parent's objects are frozen across each fork (gc.freeze: the child's collector ignores them, as Python's
+# gc docs advise for fork without exec). Collecting them in the child ran their finalizers on state that
+# did not survive the fork (the parent's other threads): after many runs in one process (the README's
+# commands, tests/test_readme.py) reward workers segfaulted in the collector, each job then waited out its
+# timeout and the run seemed to hang.
+os.register_at_fork(before=gc.freeze, after_in_parent=gc.unfreeze)
 
 # Before any megatron.core import anywhere, so every megatron module is patched as it loads.
 from . import fixes as _fixes

@@ -296,6 +296,68 @@ def _results_queue_by_fork(module):
     module._get_write_results_queue = results_queue
 
 
+def _layer_wise_allgather_on_gloo(module):
+    """megatron's layer-wise distributed optimizer (Muon's, optimizer.distributed) all-gathers each data-
+    parallel rank's updated parameters, flattened, in one all_gather of unequal sizes: NCCL takes that,
+    gloo (CPU) raises "invalid tensor size". On gloo each rank's flat parameters are padded to the
+    longest and cut back after the gather; NCCL keeps megatron's own."""
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    allgather_params = module.LayerWiseDistributedOptimizer.allgather_params
+
+    def gather(params_list, group):
+        rank, sizes = dist.get_rank(group), [sum(p.numel() for p in params) for params in params_list]
+        like = next(p for params in params_list for p in params)
+        flat = torch.zeros(max(sizes), dtype=like.dtype, device=like.device)
+        if params_list[rank]:
+            flat[:sizes[rank]] = _flatten_dense_tensors(params_list[rank])
+        gathered = [torch.empty_like(flat) for _ in params_list]
+        dist.all_gather(gathered, flat, group=group)
+        for i, (other, params) in enumerate(zip(gathered, params_list)):
+            if i != rank and params:
+                for new, param in zip(_unflatten_dense_tensors(other[:sizes[i]], params), params):
+                    param.data.copy_(new)
+
+    @functools.wraps(allgather_params)
+    def padded(self):
+        if self.pg_collection is None or dist.get_backend(self.pg_collection.dp_cp) != "gloo":
+            return allgather_params(self)
+        if self.dp_cp_params_list:
+            gather(self.dp_cp_params_list, self.pg_collection.dp_cp)
+        if self.expt_dp_params_list:
+            gather(self.expt_dp_params_list, self.pg_collection.expt_dp)
+
+    module.LayerWiseDistributedOptimizer.allgather_params = padded
+
+
+def _layer_wise_fp32_checkpoint(module):
+    """megatron's layer-wise optimizer edits each sub-optimizer's checkpoint dict as a mixed-precision
+    optimizer's ({'optimizer': {'state', 'param_groups'}, 'fp32_from_fp16_params'}); an fp32 one's (its
+    FP32Optimizer) is {'state', 'param_groups'}, and saving raised KeyError 'optimizer'. Its fp32
+    sub-optimizers' dicts are put under 'optimizer' for the edit and taken out after it."""
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+
+    sharded_state_dict = module.LayerWiseDistributedOptimizer.sharded_state_dict
+
+    @functools.wraps(sharded_state_dict)
+    def nested(self, model_sharded_state_dict, is_loading=False, **kwargs):
+        fp32 = [i for i, o in enumerate(self.chained_optimizers) if isinstance(o, FP32Optimizer)]
+        for i in fp32:
+            own = self.chained_optimizers[i].sharded_state_dict
+            self.chained_optimizers[i].sharded_state_dict = lambda *a, own=own, **k: {"optimizer": own(*a, **k)}
+        try:
+            out = sharded_state_dict(self, model_sharded_state_dict, is_loading, **kwargs)
+        finally:
+            for i in fp32:
+                del self.chained_optimizers[i].sharded_state_dict
+        if len(self.chained_optimizers) == 1:
+            return out["optimizer"] if fp32 else out
+        return {i: sd["optimizer"] if i in fp32 else sd for i, sd in out.items()}
+
+    module.LayerWiseDistributedOptimizer.sharded_state_dict = nested
+
+
 def apply():
     import importlib.util
 
@@ -314,6 +376,8 @@ def apply():
     hooks.on_import("megatron.core.ssm.mamba_mixer", _short_chunk_conv_state)
     hooks.on_import("megatron.core.ssm.mamba_block", _mamba_stack_final_norm)
     hooks.on_import("megatron.core.optimizer.distrib_optimizer", _fix_distrib_optimizer)
+    hooks.on_import("megatron.core.optimizer.layer_wise_optimizer", _layer_wise_allgather_on_gloo)
+    hooks.on_import("megatron.core.optimizer.layer_wise_optimizer", _layer_wise_fp32_checkpoint)
     hooks.on_import("megatron.core.transformer.multi_latent_attention", _fix_mla_te_check)
     hooks.on_import("megatron.core.transformer.multi_latent_attention", _mla_rotary_key_gradient)
     hooks.on_import("megatron.core.transformer.moe.moe_utils", _fix_router_gemm)

@@ -84,7 +84,7 @@ def build_model(cfg: Config, wrap_ddp: bool = True, meta: bool = False, adapters
     if wrap_ddp:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
-            use_distributed_optimizer=cfg.optimizer.distributed,
+            use_distributed_optimizer=cfg.optimizer.sharded_buffers(),
             overlap_grad_reduce=False,
         )
         chunks = [
@@ -101,12 +101,17 @@ def build_optimizer(cfg: Config, model: list):
 
     o, s = cfg.optimizer, cfg.scheduler
     dtype = compute_dtype(cfg)
-    optimizer = get_megatron_optimizer(OptimizerConfig(
-        optimizer=o.name, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+    config = OptimizerConfig(
+        optimizer="adam" if o.name == "muon" else o.name, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
         adam_beta1=o.beta1, adam_beta2=o.beta2, adam_eps=o.eps, sgd_momentum=o.beta1,
-        clip_grad=o.clip_grad, use_distributed_optimizer=o.distributed,
-        bf16=dtype == torch.bfloat16, params_dtype=dtype, **_optimizer_memory_kwargs(o),
-    ), model)
+        clip_grad=o.clip_grad, use_distributed_optimizer=o.sharded_buffers(),
+        bf16=dtype == torch.bfloat16, params_dtype=dtype, **_optimizer_memory_kwargs(o))
+    if o.name == "muon":
+        from megatron_rl.training import muon
+
+        optimizer = muon.build_optimizer(cfg, model, config)
+    else:
+        optimizer = get_megatron_optimizer(config, model)
     decay_steps = s.decay_steps or cfg.train.max_steps
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if s.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
@@ -114,22 +119,27 @@ def build_optimizer(cfg: Config, model: list):
         lr_decay_style=s.decay, start_wd=o.weight_decay, end_wd=o.weight_decay,
         wd_incr_steps=decay_steps, wd_incr_style="constant",
     )
-    allocate_adam_state(optimizer)
+    allocate_state(optimizer)
     return optimizer, scheduler
 
 
-def allocate_adam_state(optimizer) -> None:
-    """torch Adam's state (a zero step count and zero moments, as its first step makes them) made when
+def allocate_state(optimizer) -> None:
+    """torch Adam's state (a zero step count and zero moments, as its first step makes them) and Muon's
+    (zero momentum buffers) made when
     the optimizer is built: a run that cannot hold it fails at start; it is laid out in memory before
     any activation (made at the end of the first step, it takes memory the first step's activations
     had used, and the second step's activations then come from fresh pages: on CPU tens of thousands
     of page faults); and megatron's distributed optimizer can load a checkpoint into it (its loading
-    reads the state's 'step' first). torch.optim's Adam and AdamW only, megatron's optimizer without
-    Transformer Engine or apex; other optimizers keep their lazy state."""
+    reads the state's 'step' first). torch.optim's Adam and AdamW, megatron's optimizer without
+    Transformer Engine or apex, and Muon; other optimizers keep their lazy state."""
     from torch.optim.optimizer import _get_scalar_dtype
+
+    from megatron_rl.training import muon
 
     for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(chained, "optimizer", None)
+        if isinstance(inner, torch.optim.Muon):
+            muon.init_state(inner)
         if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
             continue
         for group in inner.param_groups:

@@ -291,12 +291,19 @@ def squared_grad_norms(optimizer) -> torch.Tensor:
     subs = _sub_optimizers(optimizer)
     shared = len(subs) == 1 or optimizer.grads_states_parallel_group_is_shared()
     squares = []
-    for group in [subs] if shared else [[sub] for sub in subs]:
+    for group in [subs] if shared or _layer_wise(optimizer) else [[sub] for sub in subs]:
         grads = [g for sub in group for g in sub.get_main_grads_for_grad_norm()]
         squared = torch.norm(torch.stack(torch._foreach_norm(grads))) ** 2 if grads else torch.zeros((), device=device())
-        torch.distributed.all_reduce(squared, group=group[0].get_grad_stats_parallel_group())
+        # megatron's layer-wise optimizer (Muon's distributed one) holds each matrix on one data-parallel
+        # rank: its norm sums over the whole world, as its get_grad_norm does
+        torch.distributed.all_reduce(squared, group=None if _layer_wise(optimizer) else
+                                     group[0].get_grad_stats_parallel_group())
         squares.append(squared)
     return torch.stack(squares)
+
+
+def _layer_wise(optimizer) -> bool:
+    return hasattr(optimizer, "allgather_params")
 
 
 def global_norm(squares: list[float]) -> float:
@@ -345,6 +352,8 @@ def optimizer_step(trainee) -> tuple[bool, float]:
         return False, norm
     _clip(optimizer, norm)
     optimizer.step_with_ready_grads()
+    if _layer_wise(optimizer):
+        optimizer.allgather_params()  # each rank updated its own matrices: share them
     trainee.skipped_in_a_row = 0
     trainee.scheduler.step(increment=1)
     return True, norm

@@ -3,7 +3,8 @@
 A tiny MoE model in bf16 with the distributed optimizer: the plan's weights, gradients, optimizer
 state (after one step) and KV-cache bytes per token, and the real tensors' bytes. Prints one JSON
 line: {"name": [planned, real], ...}. Further overrides may follow the output directory (lora.rank=4: the
-gradients and optimizer state of the adapters only).
+gradients and optimizer state of the adapters only; optimizer.name=muon: one momentum for each
+parameter of the matrices, Adam's state for the rest).
 """
 
 import json
@@ -39,7 +40,8 @@ if __name__ == "__main__":
     optimizers = getattr(trainee.optimizer, "chained_optimizers", [trainee.optimizer])
     states = [t for o in optimizers for s in o.optimizer.state.values() for k, t in s.items()
               if torch.is_tensor(t) and k != "step"]
-    mains = [p for o in optimizers for group in o.shard_fp32_from_float16_groups for p in group]
+    mains = [p for o in optimizers for group in getattr(o, "shard_fp32_from_float16_groups", None)
+             or o.fp32_from_float16_groups for p in group]  # megatron's distributed or (Muon's) plain bf16 optimizer
     buffers = [b for chunk in trainee.model for b in chunk.buffers + chunk.expert_parallel_buffers]
     tokenizer = build_char_tokenizer("0123456789+=", sys.argv[1])
     engine = RolloutEngine(trainee.model, cfg.model, tokenizer, cfg.rollout, torch.bfloat16)
