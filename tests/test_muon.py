@@ -162,12 +162,13 @@ checkpointing.save(trainee, sys.argv[1], 1, {})
 """
 
 
-@pytest.mark.parametrize("undo, error", [([], ""), (["allgather_params"], "invalid tensor size"),
+@pytest.mark.parametrize("undo, error", [(["allgather_params"], "invalid tensor size"),
                                          (["sharded_state_dict"], "KeyError: 'optimizer'")],
-                         ids=["fixed", "without-padded-allgather", "without-fp32-checkpoint"])
+                         ids=["without-padded-allgather", "without-fp32-checkpoint"])
 def test_layer_wise_fixes_are_needed(undo, error, tmp_path):
+    """(With both fixes the same steps and saves run in test_muon_layouts_match_single_process[dp2-layer-wise].)"""
     script = tmp_path / "layer_wise.py"
     script.write_text(LAYER_WISE)
     out = subprocess.run([*torchrun(2), str(script), str(tmp_path / "run"), *undo], cwd=ROOT, capture_output=True,
                          text=True, env=launch_env(2), timeout=180)
-    assert (out.returncode == 0) == (not undo) and error in out.stderr, out.stderr[-3000:]
+    assert out.returncode != 0 and error in out.stderr, out.stderr[-3000:]
