@@ -153,7 +153,8 @@ def activation_bytes(cfg: Config, layers: int, stage: int) -> int:
     attention's inputs and outputs (flash attention keeps no scores) and 4f for the MLP (f: the
     FFN width a token goes through, top-k experts for MoE); sharded over TP with sequence
     parallelism, and over CP. With train.recompute=full only each layer's input (h) is kept, plus
-    the one layer being recomputed. The last stage adds the fp32 logits."""
+    the one layer being recomputed. The last stage adds the fp32 logits (of data.logprob_chunk_tokens
+    tokens with chunking on)."""
     m, p = cfg.model, cfg.parallel
     tokens = cfg.data.micro_batch_size * cfg.data.seq_length
     ffn = m.moe_topk * m.moe_ffn_hidden_size + m.moe_shared_ffn_hidden_size if m.num_experts else m.ffn_hidden_size
@@ -163,7 +164,9 @@ def activation_bytes(cfg: Config, layers: int, stage: int) -> int:
     if cfg.train.recompute == "full":
         per_layer, recomputed = tokens * m.hidden_size * _dtype_bytes(cfg), per_layer // split
     in_flight = p.pp - stage  # 1F1B's warm-up depth: an upper bound
-    logits = tokens * m.vocab_size * 4 // (p.tp * p.cp) if stage == p.pp - 1 else 0
+    rows = tokens // p.cp  # this rank's tokens of the microbatch; data.logprob_chunk_tokens at a time
+    rows = min(rows, cfg.data.logprob_chunk_tokens) if cfg.data.logprob_chunk_tokens else rows
+    logits = rows * m.vocab_size * 4 // p.tp if stage == p.pp - 1 else 0
     return (layers * per_layer // split) * in_flight + recomputed + logits
 
 

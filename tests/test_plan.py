@@ -113,3 +113,18 @@ def test_planner_counts_the_critic_with_its_optimizer_and_the_reference():
     critic = r["params"] - 128 * 128 + 128
     assert r["names"] == ["critic", "reference"]
     assert r["others"] == critic * (2 + 4 + r["state"]) + r["params"] * 2
+
+
+def test_planner_counts_chunked_logits():
+    """The last stage's fp32 logits: the microbatch's tokens x the vocabulary (over TP), or
+    data.logprob_chunk_tokens of them at a time."""
+    from megatron_rl.config import apply_overrides
+    from megatron_rl.plan import activation_bytes
+    from recipes import get_recipe
+
+    cfg = get_recipe("qwen3_30b_a3b_grpo_async")
+    tokens, chunk = cfg.data.micro_batch_size * cfg.data.seq_length, 1024
+    chunked = apply_overrides(get_recipe("qwen3_30b_a3b_grpo_async"), [f"data.logprob_chunk_tokens={chunk}"])
+    last = cfg.parallel.pp - 1
+    saved = activation_bytes(cfg, 4, last) - activation_bytes(chunked, 4, last)
+    assert saved == (tokens // cfg.parallel.cp - chunk) * cfg.model.vocab_size * 4 // cfg.parallel.tp > 0

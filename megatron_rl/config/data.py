@@ -41,6 +41,11 @@ class DataConfig:
     another; 0 means micro_batch_size samples of seq_length tokens each."""
     global_batch_size: int = 64
     """Samples per optimizer step over all data-parallel ranks."""
+    logprob_chunk_tokens: int = 0
+    """Compute training's log-probabilities, entropy and losses this many tokens at a time from the output
+    layer's input (its projection, log-softmax and gather fused per chunk and redone in backward), so that
+    no (tokens x vocabulary) fp32 logits are held: memory grows with the chunk, not the sequence. 0: off
+    (the whole microbatch's logits, as before). Distillation's top-k is not chunked yet."""
     num_train: int = 20000
     """Samples to generate for a synthetic task's training split."""
     num_val: int = 256
@@ -89,6 +94,9 @@ class DataConfig:
     def validate(self, dp: int = 1, uses_global_batch: bool = True):
         """uses_global_batch: SFT's batches; GRPO's come from algorithm.prompts_per_step x rollout.n."""
         positive(self, "seq_length", "micro_batch_size", "global_batch_size")
+        if self.logprob_chunk_tokens < 0:
+            raise ConfigError(f"data.logprob_chunk_tokens={self.logprob_chunk_tokens} must be >= 0 (0: off; a few "
+                              "hundred to a few thousand tokens).")
         if uses_global_batch and self.global_batch_size % (self.micro_batch_size * dp):
             raise ConfigError(
                 f"data.global_batch_size={self.global_batch_size} is not divisible by data.micro_batch_size"

@@ -2,11 +2,16 @@
 
 import torch
 
+from megatron_rl.training import chunked
+from megatron_rl.training.chunked import ChunkedLogits
+
 
 def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Set logits of padding entries (ids >= vocab_size) to -inf on the TP rank that holds them."""
     from megatron.core import parallel_state as ps
 
+    if isinstance(logits, ChunkedLogits):
+        return logits.masked(vocab_size)
     shard = logits.shape[-1]
     start = ps.get_tensor_model_parallel_rank() * shard
     first_pad = vocab_size - start
@@ -25,6 +30,8 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+    if isinstance(logits, ChunkedLogits):
+        return chunked.token_logprobs(logits, labels)
     return -vocab_parallel_cross_entropy(logits.float(), labels)
 
 
@@ -37,6 +44,8 @@ def argmax_equals(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+    if isinstance(logits, ChunkedLogits):
+        return chunked.by_chunk(argmax_equals, logits, labels)
     if ps.get_tensor_model_parallel_world_size() == 1:
         return logits.argmax(dim=-1) == labels
     full = gather_from_tensor_model_parallel_region(logits.float())
@@ -52,6 +61,8 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    if isinstance(logits, ChunkedLogits):
+        return chunked.by_chunk(entropy, logits)
     logits = logits.float()
     group = ps.get_tensor_model_parallel_group()
     tp = ps.get_tensor_model_parallel_world_size()
@@ -75,6 +86,8 @@ def logprobs_at(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, 
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as tp_sum
 
+    if isinstance(logits, ChunkedLogits):  # distillation's top-k: not chunked yet
+        logits = logits.logits()
     logits = logits.float()
     tp, shard = ps.get_tensor_model_parallel_world_size(), logits.shape[-1]
     top = logits.detach().max(dim=-1).values
@@ -106,6 +119,8 @@ def vocab_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    if isinstance(logits, ChunkedLogits):  # distillation's teacher top-k: not chunked yet
+        logits = logits.logits()
     logits = logits.float()
     tp, shard = ps.get_tensor_model_parallel_world_size(), logits.shape[-1]
     values, ids = logits.topk(min(k, shard), dim=-1)

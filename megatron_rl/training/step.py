@@ -18,6 +18,7 @@ import torch
 from megatron_rl import platform
 from megatron_rl.platform import device, watchdog
 from megatron_rl.platform.job import RunStopped
+from megatron_rl.training.chunked import ChunkedLogits
 
 
 def cp_share(batch: dict) -> dict:
@@ -165,9 +166,13 @@ def _packed_forward(model, batch: dict, inputs: tuple):
     if not get_attr_wrapped_model(model, "post_process"):
         return output  # hidden states for the next pipeline stage
     b, w = batch["tokens"].shape
-    grid = output.new_zeros(b * w, *output.shape[2:])
-    grid[batch["pack_dst"]] = output[0, batch["pack_src"]]
-    return grid.view(b, w, *output.shape[2:])
+
+    def to_grid(row):
+        grid = row.new_zeros(b * w, *row.shape[2:])
+        grid[batch["pack_dst"]] = row[0, batch["pack_src"]]
+        return grid.view(b, w, *row.shape[2:])
+
+    return output.map_hidden(to_grid) if isinstance(output, ChunkedLogits) else to_grid(output)
 
 
 def _forward_step(loss_fn, data_iterator, model):
@@ -207,7 +212,7 @@ def forward_only(model_chunks: list, micro: list[dict], collect) -> None:
 
     def capture(mb, output):
         collect(mb, output)
-        return output.sum() * 0, torch.tensor(1), {}
+        return torch.zeros((), device=device()), torch.tensor(1), {}
 
     with torch.no_grad():
         forward_backward(SimpleNamespace(model=model_chunks), micro, capture, forward_only=True)

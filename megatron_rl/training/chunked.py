@@ -1,0 +1,167 @@
+"""Log-probabilities without the (tokens x vocabulary) fp32 logits (data.logprob_chunk_tokens > 0).
+
+With chunking on, a training model's output layer returns `ChunkedLogits`, its input and weight, instead
+of the logits; training/logprobs.py computes from them chunk by chunk of tokens: the output projection,
+the vocabulary-parallel log-softmax and the label's gather fused per chunk, and recomputed per chunk in the
+backward. Peak memory then grows with the chunk, not the sequence (a Qwen-size 151,936-token vocabulary
+at 16k tokens is about 10 GB of fp32 logits per sequence per TP shard). The numbers are megatron's
+vocab_parallel_cross_entropy's: fp32 logits, the max and the sum of exponentials all-reduced over the
+tensor-parallel ranks, each holding a slice of the vocabulary. Inference (the rollout engine, which asks
+the output layer for gathered logits) keeps the plain output layer.
+"""
+
+import types
+
+import torch
+
+
+class ChunkedLogits:
+    """A last stage's output in place of its logits: hidden (B, S, H) and the output layer's weight
+    (V/tp, H), in `chunk` tokens at a time; `vocab_size` masks the padded vocabulary (mask_padded_vocab).
+    Only what the loss functions and the model's own post-processing ask of logits is here."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, chunk: int, vocab_size: int | None = None):
+        self.hidden, self.weight, self.chunk, self.vocab_size = hidden, weight, chunk, vocab_size
+
+    def _with(self, hidden=None, weight=None, vocab_size=None) -> "ChunkedLogits":
+        return ChunkedLogits(self.hidden if hidden is None else hidden, self.weight if weight is None else weight,
+                             self.chunk, self.vocab_size if vocab_size is None else vocab_size)
+
+    def transpose(self, a: int, b: int) -> "ChunkedLogits":  # megatron's [s b h] => [b s h]
+        return self._with(hidden=self.hidden.transpose(a, b))
+
+    def contiguous(self) -> "ChunkedLogits":
+        return self
+
+    def detach(self) -> "ChunkedLogits":
+        return self._with(hidden=self.hidden.detach(), weight=self.weight.detach())
+
+    def map_hidden(self, fn) -> "ChunkedLogits":
+        """The same logits of other tokens: fn applied to the hidden states (B, S, H) -> (B', S', H)."""
+        return self._with(hidden=fn(self.hidden))
+
+    def masked(self, vocab_size: int) -> "ChunkedLogits":
+        return self._with(vocab_size=vocab_size)
+
+    def logits(self, rows: slice | None = None) -> torch.Tensor:
+        """fp32 vocab-parallel logits of the flattened tokens `rows` (all: the whole (B, S, V/tp) tensor,
+        for what is not chunked yet), the padded vocabulary -inf."""
+        from megatron.core import parallel_state as ps
+
+        hidden = self.hidden.reshape(-1, self.hidden.shape[-1])
+        out = ((hidden if rows is None else hidden[rows]) @ self.weight.T).float()
+        first_pad = (self.vocab_size or 0) - ps.get_tensor_model_parallel_rank() * out.shape[-1]
+        if self.vocab_size and first_pad < out.shape[-1]:  # a fresh tensor: masked in place
+            out[:, max(first_pad, 0):] = float("-inf")
+        return out.view(*self.hidden.shape[:-1], -1) if rows is None else out
+
+    def rows(self):
+        n = self.hidden.shape[0] * self.hidden.shape[1]
+        return [slice(s, min(s + self.chunk, n)) for s in range(0, n, self.chunk)]
+
+
+def _tp():
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    return (ps.get_tensor_model_parallel_group() if tp > 1 else None), ps.get_tensor_model_parallel_rank(), dist
+
+
+def _shard_stats(logits: torch.Tensor, labels: torch.Tensor, shard_start: int):
+    """(max, the label's logit on this shard or 0, whether this shard holds it) of fp32 logits (n, V/tp)."""
+    local = labels - shard_start
+    mine = (local >= 0) & (local < logits.shape[-1])
+    picked = torch.where(mine, logits.gather(-1, local.clamp(0, logits.shape[-1] - 1)[:, None])[:, 0], 0.0)
+    return logits.max(dim=-1).values, picked, mine, local
+
+
+class _LogProbs(torch.autograd.Function):
+    """log p(labels) of ChunkedLogits: forward keeps one chunk's logits at a time and the per-token
+    log-normalizer; backward recomputes each chunk's logits, softmax - onehot, and its products."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, source: ChunkedLogits):
+        group, rank, dist = _tp()
+        c = source._with(hidden=hidden, weight=weight)
+        labels = labels.reshape(-1)
+        out, lse = torch.empty(labels.shape, dtype=torch.float32, device=hidden.device), torch.empty_like(
+            labels, dtype=torch.float32)
+        for rows in c.rows():
+            logits = c.logits(rows)
+            top, picked, _, _ = _shard_stats(logits, labels[rows], rank * logits.shape[-1])
+            if group is not None:
+                dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            total = logits.sub_(top[:, None]).exp_().sum(dim=-1)
+            del logits  # one chunk's logits at a time
+            if group is not None:
+                dist.all_reduce(total, group=group)
+                dist.all_reduce(picked, group=group)
+            lse[rows] = total.log() + top
+            out[rows] = picked - lse[rows]
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.source = source
+        return out.view(hidden.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, labels, lse = ctx.saved_tensors
+        _, rank, _ = _tp()
+        c = ctx.source._with(hidden=hidden, weight=weight)
+        flat, grad = hidden.reshape(-1, hidden.shape[-1]), grad.reshape(-1).float()
+        # the weight's gradient goes straight into megatron's fp32 gradient buffer where it has one (as its
+        # gradient-accumulation fusion does): no (vocabulary x hidden) tensor is made
+        main_grad = getattr(weight, "main_grad", None)
+        grad_hidden = torch.empty_like(flat)
+        grad_weight = main_grad if main_grad is not None else torch.zeros_like(weight, dtype=torch.float32)
+        for rows in c.rows():
+            logits = c.logits(rows)
+            _, _, mine, local = _shard_stats(logits, labels[rows], rank * logits.shape[-1])
+            d = logits.sub_(lse[rows, None]).exp_().mul_(-grad[rows, None])  # d log p / d logits = onehot - p
+            d.scatter_add_(1, local.clamp(0, d.shape[-1] - 1)[:, None], torch.where(mine, grad[rows], 0.0)[:, None])
+            d = d.to(weight.dtype)
+            grad_hidden[rows] = d @ weight
+            grad_weight.addmm_(d.T.float(), flat[rows].float())
+            del logits, d
+        # in the hidden states' own memory order (a transposed view of the model's [s b h]): megatron's
+        # tensor-parallel all-reduce of this gradient (_CopyToModelParallelRegion's backward) reduces a
+        # contiguous copy of a non-contiguous gradient and drops it
+        grad_hidden = torch.empty_like(hidden).copy_(grad_hidden.view(hidden.shape))
+        return grad_hidden, None if main_grad is not None else grad_weight.to(weight.dtype), None, None
+
+
+def token_logprobs(c: ChunkedLogits, labels: torch.Tensor) -> torch.Tensor:
+    """(B, S) fp32 log p(labels), differentiable in the hidden states and the output weight."""
+    return _LogProbs.apply(c.hidden, c.weight, labels, c)
+
+
+@torch.no_grad()
+def by_chunk(fn, c: ChunkedLogits, *per_token: torch.Tensor) -> torch.Tensor:
+    """fn(chunk's logits (n, V/tp), each of per_token's (B, S) tensors' chunk) for every chunk: (B, S)."""
+    flat = [t.reshape(-1) for t in per_token]
+    return torch.cat([fn(c.logits(rows), *(t[rows] for t in flat)) for rows in c.rows()]).view(c.hidden.shape[:-1])
+
+
+def install(chunks: list, chunk_tokens: int) -> None:
+    """Training forwards of these model chunks' output layers (the last stage's) return ChunkedLogits;
+    a forward that asks for gathered logits (the rollout engine's) gets them as before. The input is
+    made whole and TP-ready as the output layer's own forward makes it: gathered along the sequence
+    under sequence parallelism (its backward reduce-scatters), else copied (its backward all-reduces)."""
+    from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                        gather_from_sequence_parallel_region)
+
+    from model_providers.builder import unwrap
+
+    def chunked_forward(layer, input_, weight=None, runtime_gather_output=None):
+        if runtime_gather_output:
+            return type(layer).forward(layer, input_, weight=weight, runtime_gather_output=runtime_gather_output)
+        if layer.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True)
+        else:
+            hidden = copy_to_tensor_model_parallel_region(input_)
+        return ChunkedLogits(hidden, layer.weight if weight is None else weight, chunk_tokens), None
+
+    for chunk in chunks:
+        layer = getattr(unwrap(chunk), "output_layer", None)
+        if layer is not None:
+            layer.forward = types.MethodType(chunked_forward, layer)
