@@ -19,7 +19,8 @@ from megatron_rl import platform
 platform.init_distributed()
 platform.init_model_parallel()
 from megatron_rl.training.chunked import ChunkedLogits
-from megatron_rl.training.logprobs import argmax_equals, entropy, mask_padded_vocab, token_logprobs
+from megatron_rl.training.logprobs import (argmax_equals, entropy, logprobs_at, mask_padded_vocab, token_logprobs,
+                                           vocab_topk)
 
 g = torch.Generator().manual_seed(0)
 hidden, weight = torch.randn(3, 10, 8, generator=g), torch.randn(16, 8, generator=g)
@@ -35,11 +36,26 @@ def run(chunk, buffer=False):
     (lp * torch.linspace(0.5, 1.5, 30).view(3, 10)).sum().backward()
     return lp.detach(), h.grad, w.main_grad if buffer else w.grad, hit, ent
 
+def run_at(chunk):  # distillation: log-probs at the top-k ids and sum p log p, both in the loss
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logits = mask_padded_vocab(ChunkedLogits(h, w, chunk) if chunk else h @ w.T, 13)
+    values, ids = vocab_topk(logits, 4)
+    at, neg_entropy = logprobs_at(logits, ids)
+    (at.exp().sum() + 0.3 * neg_entropy.sum()).backward()
+    return at.detach(), neg_entropy.detach(), h.grad, w.grad, values, ids
+
+def relative(a, b):
+    return ((a - b).abs().max() / a.abs().max()).item()
+
 whole = run(0)
 for chunked in (run(7), run(7, buffer=True)):
-    rel = [((a - b).abs().max() / a.abs().max()).item() for a, b in zip(whole[:3], chunked[:3])]
+    rel = [relative(a, b) for a, b in zip(whole[:3], chunked[:3])]
     assert rel[0] < 1e-6 and rel[1] < 1e-5 and rel[2] < 1e-5, rel
     assert torch.equal(whole[3], chunked[3]) and torch.allclose(whole[4], chunked[4], rtol=1e-6, atol=1e-7)
+whole, chunked = run_at(0), run_at(7)
+rel = [relative(a, b) for a, b in zip(whole[:4], chunked[:4])]
+assert rel[0] < 1e-6 and rel[1] < 1e-6 and rel[2] < 1e-5 and rel[3] < 1e-5, rel
+assert torch.equal(whole[5], chunked[5]) and torch.allclose(whole[4], chunked[4], rtol=1e-6)
 print("ok")
 """
 
@@ -67,9 +83,13 @@ def reference(tmp_path_factory):
     start = [f"checkpoint.load={checkpoint_dir(root / 'init', 1)}", "train.max_steps=3"]
     runs = {"whole": [], "chunked": CHUNK, "packed": [*CHUNK, "data.max_tokens_per_microbatch=256"]}
     grpo = ["--recipe", "tiny_grpo", *FAST, start[0], "train.max_steps=2", "algorithm.prompts_per_step=8"]
+    distill = ["--recipe", "tiny_distill", *FAST, start[0], "train.max_steps=2", "algorithm.prompts_per_step=8",
+               f"distill.teacher={root / 'init'}"]  # the student's own start as teacher: any teacher will do
     run_recipes([["--recipe", "tiny_sft", *FAST, *start, *extra, f"logging.run_dir={root / name}"]
                  for name, extra in runs.items()]
                 + [[*grpo, *extra, f"logging.run_dir={root / ('grpo_' + name)}"] for name, extra in
+                   (("whole", []), ("chunked", CHUNK))]
+                + [[*distill, *extra, f"logging.run_dir={root / ('distill_' + name)}"] for name, extra in
                    (("whole", []), ("chunked", CHUNK))])
     return root, start
 
@@ -80,12 +100,14 @@ def _same(run, whole):
 
 
 def test_chunked_training_equals_the_whole_logits(reference):
-    """SFT (also packed) and GRPO, whose rollouts (the engine's gathered logits, not chunked) still give
-    the training forward's logprobs."""
+    """SFT (also packed), GRPO, whose rollouts (the engine's gathered logits, not chunked) still give
+    the training forward's logprobs, and distillation (the teacher's top-k and the student's log-probs at
+    them with sum p log p)."""
     root, _ = reference
     for name in ("chunked", "packed"):
         _same(root / name, root / "whole")
     _same(root / "grpo_chunked", root / "grpo_whole")
+    _same(root / "distill_chunked", root / "distill_whole")
     assert max(column(root / "grpo_chunked", "rollout/logprob_mismatch_max")) < 1e-5
 
 

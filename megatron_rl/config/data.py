@@ -45,7 +45,7 @@ class DataConfig:
     """Compute training's log-probabilities, entropy and losses this many tokens at a time from the output
     layer's input (its projection, log-softmax and gather fused per chunk and redone in backward), so that
     no (tokens x vocabulary) fp32 logits are held: memory grows with the chunk, not the sequence. 0: off
-    (the whole microbatch's logits, as before). Distillation's top-k is not chunked yet."""
+    (the whole microbatch's logits, as before)."""
     num_train: int = 20000
     """Samples to generate for a synthetic task's training split."""
     num_val: int = 256

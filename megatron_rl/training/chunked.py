@@ -43,17 +43,16 @@ class ChunkedLogits:
     def masked(self, vocab_size: int) -> "ChunkedLogits":
         return self._with(vocab_size=vocab_size)
 
-    def logits(self, rows: slice | None = None) -> torch.Tensor:
-        """fp32 vocab-parallel logits of the flattened tokens `rows` (all: the whole (B, S, V/tp) tensor,
-        for what is not chunked yet), the padded vocabulary -inf."""
+    def logits(self, rows: slice) -> torch.Tensor:
+        """fp32 vocab-parallel logits (n, V/tp) of the flattened tokens `rows`, the padded vocabulary -inf."""
         from megatron.core import parallel_state as ps
 
         hidden = self.hidden.reshape(-1, self.hidden.shape[-1])
-        out = ((hidden if rows is None else hidden[rows]) @ self.weight.T).float()
+        out = (hidden[rows] @ self.weight.T).float()
         first_pad = (self.vocab_size or 0) - ps.get_tensor_model_parallel_rank() * out.shape[-1]
         if self.vocab_size and first_pad < out.shape[-1]:  # a fresh tensor: masked in place
             out[:, max(first_pad, 0):] = float("-inf")
-        return out.view(*self.hidden.shape[:-1], -1) if rows is None else out
+        return out
 
     def rows(self):
         n = self.hidden.shape[0] * self.hidden.shape[1]
@@ -68,71 +67,97 @@ def _tp():
     return (ps.get_tensor_model_parallel_group() if tp > 1 else None), ps.get_tensor_model_parallel_rank(), dist
 
 
-def _shard_stats(logits: torch.Tensor, labels: torch.Tensor, shard_start: int):
-    """(max, the label's logit on this shard or 0, whether this shard holds it) of fp32 logits (n, V/tp)."""
-    local = labels - shard_start
+def _picked(logits: torch.Tensor, ids: torch.Tensor, shard_start: int):
+    """(the logits at ids (n, k) on this shard, 0 elsewhere; whether this shard holds each; its local ids)
+    of fp32 logits (n, V/tp)."""
+    local = ids - shard_start
     mine = (local >= 0) & (local < logits.shape[-1])
-    picked = torch.where(mine, logits.gather(-1, local.clamp(0, logits.shape[-1] - 1)[:, None])[:, 0], 0.0)
-    return logits.max(dim=-1).values, picked, mine, local
+    local = local.clamp(0, logits.shape[-1] - 1)
+    return torch.where(mine, logits.gather(-1, local), 0.0), mine, local
 
 
-class _LogProbs(torch.autograd.Function):
-    """log p(labels) of ChunkedLogits: forward keeps one chunk's logits at a time and the per-token
-    log-normalizer; backward recomputes each chunk's logits, softmax - onehot, and its products."""
+class _LogProbsAt(torch.autograd.Function):
+    """From ChunkedLogits: log p at ids (n, k) per token and, with `entropy`, sum_v p_v log p_v (n,), in
+    fp32 over the whole (vocab-parallel) vocabulary. Forward keeps one chunk's logits at a time and each
+    token's max and log-normalizer; backward recomputes each chunk's logits and softmax."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, source: ChunkedLogits):
+    def forward(ctx, hidden, weight, ids, source: ChunkedLogits, entropy: bool):
         group, rank, dist = _tp()
+        ctx.set_materialize_grads(False)
         c = source._with(hidden=hidden, weight=weight)
-        labels = labels.reshape(-1)
-        out, lse = torch.empty(labels.shape, dtype=torch.float32, device=hidden.device), torch.empty_like(
-            labels, dtype=torch.float32)
+        ids = ids.reshape(-1, ids.shape[-1])
+        n = len(ids)
+        out = torch.empty(ids.shape, dtype=torch.float32, device=hidden.device)
+        top, log_z, neg_entropy = (torch.zeros(n, device=hidden.device) for _ in range(3))
         for rows in c.rows():
             logits = c.logits(rows)
-            top, picked, _, _ = _shard_stats(logits, labels[rows], rank * logits.shape[-1])
+            picked, _, _ = _picked(logits, ids[rows], rank * logits.shape[-1])
+            top[rows] = logits.max(dim=-1).values
             if group is not None:
-                dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-            total = logits.sub_(top[:, None]).exp_().sum(dim=-1)
-            del logits  # one chunk's logits at a time
+                dist.all_reduce(top[rows], op=dist.ReduceOp.MAX, group=group)
+            shifted = logits.sub_(top[rows, None])
+            e = shifted.exp() if entropy else shifted.exp_()  # entropy needs the shifted logits too
+            stats = [e.sum(dim=-1), picked] + ([(e * shifted.masked_fill(e == 0, 0.0)).sum(dim=-1)] if entropy else [])
+            del logits, shifted, e  # one chunk's logits at a time
             if group is not None:
-                dist.all_reduce(total, group=group)
-                dist.all_reduce(picked, group=group)
-            lse[rows] = total.log() + top
-            out[rows] = picked - lse[rows]
-        ctx.save_for_backward(hidden, weight, labels, lse)
+                for t in stats:
+                    dist.all_reduce(t, group=group)
+            log_z[rows] = stats[0].log()
+            out[rows] = stats[1] - top[rows, None] - log_z[rows, None]
+            if entropy:
+                neg_entropy[rows] = stats[2] / stats[0] - log_z[rows]
+        ctx.save_for_backward(hidden, weight, ids, top + log_z, neg_entropy)
         ctx.source = source
-        return out.view(hidden.shape[:-1])
+        return out.view(*hidden.shape[:-1], -1), neg_entropy.view(hidden.shape[:-1])
 
     @staticmethod
-    def backward(ctx, grad):
-        hidden, weight, labels, lse = ctx.saved_tensors
+    def backward(ctx, grad_at, grad_entropy):
+        hidden, weight, ids, lse, neg_entropy = ctx.saved_tensors
         _, rank, _ = _tp()
         c = ctx.source._with(hidden=hidden, weight=weight)
-        flat, grad = hidden.reshape(-1, hidden.shape[-1]), grad.reshape(-1).float()
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        grad_at = None if grad_at is None else grad_at.reshape(ids.shape).float()
+        grad_entropy = None if grad_entropy is None else grad_entropy.reshape(-1).float()
         # the weight's gradient goes straight into megatron's fp32 gradient buffer where it has one (as its
         # gradient-accumulation fusion does): no (vocabulary x hidden) tensor is made
         main_grad = getattr(weight, "main_grad", None)
         grad_hidden = torch.empty_like(flat)
         grad_weight = main_grad if main_grad is not None else torch.zeros_like(weight, dtype=torch.float32)
         for rows in c.rows():
-            logits = c.logits(rows)
-            _, _, mine, local = _shard_stats(logits, labels[rows], rank * logits.shape[-1])
-            d = logits.sub_(lse[rows, None]).exp_().mul_(-grad[rows, None])  # d log p / d logits = onehot - p
-            d.scatter_add_(1, local.clamp(0, d.shape[-1] - 1)[:, None], torch.where(mine, grad[rows], 0.0)[:, None])
+            logp = c.logits(rows).sub_(lse[rows, None])
+            # d log p_i / d logit_v = [v = i] - p_v;  d sum_u p_u log p_u / d logit_v = p_v (log p_v - that sum);
+            # in place, so that a chunk holds two (vocabulary-wide) buffers at most
+            if grad_entropy is not None:
+                p = logp.exp()
+                d = logp.sub_(neg_entropy[rows, None]).mul_(p).masked_fill_(p == 0, 0.0).mul_(grad_entropy[rows, None])
+            else:
+                p, d = logp.exp_(), None
+            if grad_at is not None:
+                _, mine, local = _picked(p, ids[rows], rank * p.shape[-1])
+                p.mul_(-grad_at[rows].sum(dim=-1, keepdim=True))
+                d = p if d is None else d.add_(p)
+                d.scatter_add_(1, local, torch.where(mine, grad_at[rows], 0.0))
+            del logp, p
             d = d.to(weight.dtype)
             grad_hidden[rows] = d @ weight
             grad_weight.addmm_(d.T.float(), flat[rows].float())
-            del logits, d
+            del d
         # in the hidden states' own memory order (a transposed view of the model's [s b h]): megatron's
         # tensor-parallel all-reduce of this gradient (_CopyToModelParallelRegion's backward) reduces a
         # contiguous copy of a non-contiguous gradient and drops it
         grad_hidden = torch.empty_like(hidden).copy_(grad_hidden.view(hidden.shape))
-        return grad_hidden, None if main_grad is not None else grad_weight.to(weight.dtype), None, None
+        return grad_hidden, None if main_grad is not None else grad_weight.to(weight.dtype), None, None, None
 
 
 def token_logprobs(c: ChunkedLogits, labels: torch.Tensor) -> torch.Tensor:
     """(B, S) fp32 log p(labels), differentiable in the hidden states and the output weight."""
-    return _LogProbs.apply(c.hidden, c.weight, labels, c)
+    return _LogProbsAt.apply(c.hidden, c.weight, labels[..., None], c, False)[0][..., 0]
+
+
+def logprobs_at(c: ChunkedLogits, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, S, k) fp32 log-probs at ids and (B, S) sum_v p_v log p_v, differentiable (logprobs.logprobs_at)."""
+    return _LogProbsAt.apply(c.hidden, c.weight, ids, c, True)
 
 
 @torch.no_grad()

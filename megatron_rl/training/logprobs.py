@@ -86,8 +86,8 @@ def logprobs_at(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, 
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as tp_sum
 
-    if isinstance(logits, ChunkedLogits):  # distillation's top-k: not chunked yet
-        logits = logits.logits()
+    if isinstance(logits, ChunkedLogits):
+        return chunked.logprobs_at(logits, ids)
     logits = logits.float()
     tp, shard = ps.get_tensor_model_parallel_world_size(), logits.shape[-1]
     top = logits.detach().max(dim=-1).values
@@ -119,8 +119,9 @@ def vocab_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    if isinstance(logits, ChunkedLogits):  # distillation's teacher top-k: not chunked yet
-        logits = logits.logits()
+    if isinstance(logits, ChunkedLogits):
+        parts = [vocab_topk(logits.logits(rows), k) for rows in logits.rows()]
+        return tuple(torch.cat(t).view(*logits.hidden.shape[:-1], k) for t in zip(*parts))
     logits = logits.float()
     tp, shard = ps.get_tensor_model_parallel_world_size(), logits.shape[-1]
     values, ids = logits.topk(min(k, shard), dim=-1)
