@@ -10,9 +10,19 @@ tensor-parallel ranks, each holding a slice of the vocabulary. Inference (the ro
 the output layer for gathered logits) keeps the plain output layer.
 """
 
+import functools
 import types
 
 import torch
+
+
+def padding_start(vocab_size: int, shard: int) -> int | None:
+    """Where megatron's padded vocabulary (ids >= vocab_size) starts in this tensor-parallel rank's shard of
+    `shard` entries, or None where the shard has none."""
+    from megatron.core import parallel_state as ps
+
+    first = vocab_size - ps.get_tensor_model_parallel_rank() * shard
+    return max(first, 0) if first < shard else None
 
 
 class ChunkedLogits:
@@ -43,19 +53,21 @@ class ChunkedLogits:
     def masked(self, vocab_size: int) -> "ChunkedLogits":
         return self._with(vocab_size=vocab_size)
 
+    @functools.cached_property
+    def flat(self) -> torch.Tensor:
+        """The hidden states of every token, (B x S, H): made once (a copy, from the model's transposed view)."""
+        return self.hidden.reshape(-1, self.hidden.shape[-1])
+
     def logits(self, rows: slice) -> torch.Tensor:
         """fp32 vocab-parallel logits (n, V/tp) of the flattened tokens `rows`, the padded vocabulary -inf."""
-        from megatron.core import parallel_state as ps
-
-        hidden = self.hidden.reshape(-1, self.hidden.shape[-1])
-        out = (hidden[rows] @ self.weight.T).float()
-        first_pad = (self.vocab_size or 0) - ps.get_tensor_model_parallel_rank() * out.shape[-1]
-        if self.vocab_size and first_pad < out.shape[-1]:  # a fresh tensor: masked in place
-            out[:, max(first_pad, 0):] = float("-inf")
+        out = (self.flat[rows] @ self.weight.T).float()
+        pad = padding_start(self.vocab_size, out.shape[-1]) if self.vocab_size else None
+        if pad is not None:  # a fresh tensor: masked in place
+            out[:, pad:] = float("-inf")
         return out
 
     def rows(self):
-        n = self.hidden.shape[0] * self.hidden.shape[1]
+        n = len(self.flat)
         return [slice(s, min(s + self.chunk, n)) for s in range(0, n, self.chunk)]
 
 
@@ -116,7 +128,7 @@ class _LogProbsAt(torch.autograd.Function):
         hidden, weight, ids, lse, neg_entropy = ctx.saved_tensors
         _, rank, _ = _tp()
         c = ctx.source._with(hidden=hidden, weight=weight)
-        flat = hidden.reshape(-1, hidden.shape[-1])
+        flat = c.flat
         grad_at = None if grad_at is None else grad_at.reshape(ids.shape).float()
         grad_entropy = None if grad_entropy is None else grad_entropy.reshape(-1).float()
         # the weight's gradient goes straight into megatron's fp32 gradient buffer where it has one (as its

@@ -8,17 +8,13 @@ from megatron_rl.training.chunked import ChunkedLogits
 
 def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Set logits of padding entries (ids >= vocab_size) to -inf on the TP rank that holds them."""
-    from megatron.core import parallel_state as ps
-
     if isinstance(logits, ChunkedLogits):
         return logits.masked(vocab_size)
-    shard = logits.shape[-1]
-    start = ps.get_tensor_model_parallel_rank() * shard
-    first_pad = vocab_size - start
-    if first_pad >= shard:
+    pad = chunked.padding_start(vocab_size, logits.shape[-1])
+    if pad is None:
         return logits
     logits = logits.clone()
-    logits[..., max(first_pad, 0):] = float("-inf")
+    logits[..., pad:] = float("-inf")
     return logits
 
 

@@ -294,15 +294,15 @@ def squared_grad_norms(optimizer) -> torch.Tensor:
     megatron's choice of the grads and the groups (model parallel, or the whole world with the
     distributed optimizer) and its arithmetic without apex, so that global_norm gives its number to the bit."""
     subs = _sub_optimizers(optimizer)
-    shared = len(subs) == 1 or optimizer.grads_states_parallel_group_is_shared()
+    # megatron's layer-wise optimizer (Muon's distributed one) holds each matrix on one data-parallel
+    # rank: its norm sums over the whole world, as its get_grad_norm does
+    layer_wise = _layer_wise(optimizer)
+    shared = len(subs) == 1 or layer_wise or optimizer.grads_states_parallel_group_is_shared()
     squares = []
-    for group in [subs] if shared or _layer_wise(optimizer) else [[sub] for sub in subs]:
+    for group in [subs] if shared else [[sub] for sub in subs]:
         grads = [g for sub in group for g in sub.get_main_grads_for_grad_norm()]
         squared = torch.norm(torch.stack(torch._foreach_norm(grads))) ** 2 if grads else torch.zeros((), device=device())
-        # megatron's layer-wise optimizer (Muon's distributed one) holds each matrix on one data-parallel
-        # rank: its norm sums over the whole world, as its get_grad_norm does
-        torch.distributed.all_reduce(squared, group=None if _layer_wise(optimizer) else
-                                     group[0].get_grad_stats_parallel_group())
+        torch.distributed.all_reduce(squared, group=None if layer_wise else group[0].get_grad_stats_parallel_group())
         squares.append(squared)
     return torch.stack(squares)
 
