@@ -15,6 +15,7 @@ import torch
 
 from megatron_rl import platform  # noqa: F401  (CPU stand-ins for megatron-core, before it is imported)
 from megatron_rl.config import Config
+from megatron_rl.training.chunked import chunk_tokens
 from megatron_rl.training.muon import is_matrix
 
 GPUS = {"a100": 80, "h100": 80, "h200": 141, "b200": 180, "gb200": 186}
@@ -165,7 +166,7 @@ def activation_bytes(cfg: Config, layers: int, stage: int) -> int:
         per_layer, recomputed = tokens * m.hidden_size * _dtype_bytes(cfg), per_layer // split
     in_flight = p.pp - stage  # 1F1B's warm-up depth: an upper bound
     rows = tokens // p.cp  # this rank's tokens of the microbatch; data.logprob_chunk_tokens at a time
-    rows = min(rows, cfg.data.logprob_chunk_tokens) if cfg.data.logprob_chunk_tokens else rows
+    rows = min(rows, chunk_tokens(cfg)) if chunk_tokens(cfg) else rows
     logits = rows * m.vocab_size * 4 // p.tp if stage == p.pp - 1 else 0
     return (layers * per_layer // split) * in_flight + recomputed + logits
 

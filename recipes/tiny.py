@@ -150,6 +150,16 @@ def tiny_grpo_is() -> Config:
 
 
 @register
+def tiny_grpo_top_p() -> Config:
+    """GRPO sampling from the nucleus (top_p=0.9): training replays each token's kept set, so the policy
+    gradient is taken on the distribution the tokens were drawn from (rollout/filtered_logprob_gap: how
+    far that is from the full one)."""
+    cfg = tiny_grpo()
+    cfg.rollout = dataclasses.replace(cfg.rollout, top_p=0.9)
+    return cfg
+
+
+@register
 def tiny_grpo_async() -> Config:
     """tiny_grpo disaggregated and one step off-policy: run with torchrun --nproc_per_node 2. Rank 1 only
     generates (parallel.rollout_ranks=1), rank 0 only trains; rank 1 samples the next batch with the

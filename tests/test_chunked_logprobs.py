@@ -26,13 +26,15 @@ g = torch.Generator().manual_seed(0)
 hidden, weight = torch.randn(3, 10, 8, generator=g), torch.randn(16, 8, generator=g)
 labels = torch.randint(0, 13, (3, 10), generator=g)
 
-def run(chunk, buffer=False):
+threshold = (hidden @ weight.T)[..., :13].topk(5, dim=-1).values[..., -1] - 1e-3  # a top-k=5 sampler's kept set
+
+def run(chunk, buffer=False, kept=None):
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     if buffer:
         w.main_grad = torch.zeros_like(w)
     logits = mask_padded_vocab(ChunkedLogits(h, w, chunk) if chunk else h @ w.T, 13)
     hit, ent = argmax_equals(logits.detach(), labels), entropy(logits)
-    lp = token_logprobs(logits, labels)
+    lp = token_logprobs(logits, labels, kept)
     (lp * torch.linspace(0.5, 1.5, 30).view(3, 10)).sum().backward()
     return lp.detach(), h.grad, w.main_grad if buffer else w.grad, hit, ent
 
@@ -52,6 +54,9 @@ for chunked in (run(7), run(7, buffer=True)):
     rel = [relative(a, b) for a, b in zip(whole[:3], chunked[:3])]
     assert rel[0] < 1e-6 and rel[1] < 1e-5 and rel[2] < 1e-5, rel
     assert torch.equal(whole[3], chunked[3]) and torch.allclose(whole[4], chunked[4], rtol=1e-6, atol=1e-7)
+whole = run(0, kept=threshold)  # the kept set replayed (tests/test_sampling_mask.py)
+rel = [relative(a, b) for a, b in zip(whole[:3], run(7, kept=threshold)[:3])]
+assert rel[0] < 1e-6 and rel[1] < 1e-5 and rel[2] < 1e-5 and not torch.equal(whole[0], run(0)[0]), rel
 whole, chunked = run_at(0), run_at(7)
 rel = [relative(a, b) for a, b in zip(whole[:4], chunked[:4])]
 assert rel[0] < 1e-6 and rel[1] < 1e-6 and rel[2] < 1e-5 and rel[3] < 1e-5, rel
@@ -82,7 +87,8 @@ def reference(tmp_path_factory):
                f"logging.run_dir={root / 'init'}"])
     start = [f"checkpoint.load={checkpoint_dir(root / 'init', 1)}", "train.max_steps=3"]
     runs = {"whole": [], "chunked": CHUNK, "packed": [*CHUNK, "data.max_tokens_per_microbatch=256"]}
-    grpo = ["--recipe", "tiny_grpo", *FAST, start[0], "train.max_steps=2", "algorithm.prompts_per_step=8"]
+    grpo = ["--recipe", "tiny_grpo", *FAST, start[0], "train.max_steps=2", "algorithm.prompts_per_step=8",
+            "rollout.top_p=0.8"]  # with the sampler's kept sets replayed
     distill = ["--recipe", "tiny_distill", *FAST, start[0], "train.max_steps=2", "algorithm.prompts_per_step=8",
                f"distill.teacher={root / 'init'}"]  # the student's own start as teacher: any teacher will do
     run_recipes([["--recipe", "tiny_sft", *FAST, *start, *extra, f"logging.run_dir={root / name}"]
@@ -100,8 +106,8 @@ def _same(run, whole):
 
 
 def test_chunked_training_equals_the_whole_logits(reference):
-    """SFT (also packed), GRPO, whose rollouts (the engine's gathered logits, not chunked) still give
-    the training forward's logprobs, and distillation (the teacher's top-k and the student's log-probs at
+    """SFT (also packed), GRPO at top_p=0.8, whose rollouts (the engine's gathered logits, not chunked)
+    still give the training forward's logprobs over the sampler's kept sets, and distillation (the teacher's top-k and the student's log-probs at
     them with sum p log p)."""
     root, _ = reference
     for name in ("chunked", "packed"):
@@ -120,3 +126,22 @@ def test_chunked_layouts_equal_one_process(reference, layout, tmp_path):
     run_train(["--recipe", "tiny_sft", *FAST, *start, *CHUNK, *layout, f"logging.run_dir={tmp_path}"],
               nproc=processes(layout))
     _same(tmp_path, root / "whole")
+
+
+def test_automatic_chunk_size_and_the_planner():
+    """data.logprob_chunk_tokens=-1: off while a microbatch's fp32 logits on a rank stay within 1 GiB, else
+    chunks of about 256 MiB of logits; the planner counts the chunk."""
+    from megatron_rl.plan import activation_bytes
+    from megatron_rl.training.chunked import chunk_tokens
+    from recipes import get_recipe
+
+    cfg = get_recipe("qwen25_32b_grpo")  # 151,936 (padded 152,064) tokens, TP8, 16k tokens a microbatch
+    cfg.data.logprob_chunk_tokens = -1
+    chunk = chunk_tokens(cfg)
+    assert chunk % 64 == 0 and 0.9 * (256 << 20) < chunk * 4 * cfg.model.vocab_size / cfg.parallel.tp <= 256 << 20
+    auto = activation_bytes(cfg, 8, cfg.parallel.pp - 1)
+    cfg.data.logprob_chunk_tokens = 0
+    whole = activation_bytes(cfg, 8, cfg.parallel.pp - 1)
+    assert whole - auto == (cfg.data.micro_batch_size * cfg.data.seq_length - chunk) * cfg.model.vocab_size * 4 // cfg.parallel.tp
+    cfg.data.logprob_chunk_tokens, cfg.parallel.tp = -1, 64  # 9 MB of logits a microbatch: off
+    assert chunk_tokens(cfg) == 0

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from megatron_rl.checkpointing import checkpoint_dir
-from tests.helpers import ROOT, column, launch_env, metrics, processes, random_char_engine, run_train, torchrun
+from tests.helpers import (ROOT, column, launch_env, metrics, processes, random_char_engine, run_recipes, run_train,
+                           torchrun)
 
 pytestmark = [pytest.mark.xdist_group("tiny_sft"),  # one worker trains the shared tiny_sft run
               pytest.mark.fp32("rollout/training, layout and resume equalities at fp32 precision")]
@@ -50,6 +51,29 @@ def test_grpo_step_metrics_and_logprob_agreement(single):
     assert (single / "plot.png").is_file()
 
 
+FILTERS = {"top_p": ["rollout.top_p=0.8"], "top_k": ["rollout.top_k=8"]}
+
+
+@pytest.fixture(scope="module")
+def filtered(sft_checkpoint, tmp_path_factory):
+    """One process's 2 steps sampling at top_p=0.8 and at top_k=8 (the layouts below compare with them)."""
+    root = tmp_path_factory.mktemp("grpo_filtered")
+    run_recipes([["--recipe", "tiny_grpo", *QUICK, "train.max_steps=2", f"checkpoint.load={sft_checkpoint}", *extra,
+                  f"logging.run_dir={root / name}"] for name, extra in FILTERS.items()])
+    return root
+
+
+def test_filtered_sampling_trains_on_its_kept_sets(filtered, single):
+    """At top_p=0.8 and top_k=8 the training forward replays each token's kept set: rollout and training
+    logprobs agree as without a filter, where the full distribution's are a filtered_logprob_gap apart
+    (minus the log of the kept mass: about 0.02 at top_p=0.8, 0.002 at top_k=8 here)."""
+    for name in FILTERS:
+        assert max(column(filtered / name, "rollout/logprob_mismatch_max")) <= 2e-6
+        assert min(column(filtered / name, "rollout/filtered_logprob_gap")) > 1e-3
+        assert set(column(filtered / name, "train/filter_size_mismatch_frac")) == {0.0}
+    assert "rollout/filtered_logprob_gap" not in metrics(single)[-1]  # no filter: nothing of it
+
+
 def test_torch_profiler_trace_and_time_per_phase(single):
     """profiling.torch_profiler=true records the window (step 1 by default) into a trace TensorBoard
     and Chrome open, holding the run's phases; the run ends with a table of time per phase."""
@@ -68,14 +92,22 @@ def test_torch_profiler_trace_and_time_per_phase(single):
 @pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.tp=2", "parallel.sp=true"], ["parallel.pp=2"],
                                     ["parallel.cp=2"], ["parallel.tp=2", "parallel.pp=2"], ["data.micro_batch_size=16"]],
                          ids=["tp2", "tp2-sp", "pp2", "cp2", "tp2xpp2", "microbatch16"])
-def test_grpo_layouts_match_single_process(layout, single, sft_checkpoint, tmp_path):
-    run_train(["--recipe", "tiny_grpo", *QUICK, "train.max_steps=2", f"checkpoint.load={sft_checkpoint}", *layout,
-               f"logging.run_dir={tmp_path}"], nproc=processes(layout))
-    assert column(tmp_path, "rollout/reward_mean") == column(single, "rollout/reward_mean")  # same samples
-    assert column(tmp_path, "train/loss") == pytest.approx(column(single, "train/loss"), rel=1e-5, abs=1e-8)
-    assert column(tmp_path, "train/grad_norm") == pytest.approx(column(single, "train/grad_norm"), rel=1e-5)
-    bound = 2e-5 if "parallel.cp=2" in layout else 1e-5
-    assert max(column(tmp_path, "rollout/logprob_mismatch_max")) <= bound
+def test_grpo_layouts_match_single_process(layout, single, filtered, sft_checkpoint, tmp_path, request):
+    """At TP2, TP2+SP, PP2 and CP2 also sampling at top_p=0.8 and top_k=8, the sampler's kept sets replayed
+    on TP's vocabulary shards (each applies the threshold to its own), PP's last stage, CP's sequence shards."""
+    runs = {"": (single, [])}
+    if request.node.callspec.id in ("tp2", "tp2-sp", "pp2", "cp2"):
+        runs.update({name: (filtered / name, extra) for name, extra in FILTERS.items()})
+    run_recipes([["--recipe", "tiny_grpo", *QUICK, "train.max_steps=2", f"checkpoint.load={sft_checkpoint}", *layout,
+                  *extra, f"logging.run_dir={tmp_path / name}"] for name, (_, extra) in runs.items()],
+                nproc=processes(layout))
+    for name, (one, _) in runs.items():
+        run = tmp_path / name
+        assert column(run, "rollout/reward_mean") == column(one, "rollout/reward_mean")  # same samples
+        assert column(run, "train/loss") == pytest.approx(column(one, "train/loss"), rel=1e-5, abs=1e-8)
+        assert column(run, "train/grad_norm") == pytest.approx(column(one, "train/grad_norm"), rel=1e-5)
+        bound = 2e-5 if "parallel.cp=2" in layout else 1e-5
+        assert max(column(run, "rollout/logprob_mismatch_max")) <= bound
 
 
 def test_grpo_step_runs_at_dp2_with_the_distributed_optimizer(sft_checkpoint, tmp_path):

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from tests.helpers import ROOT, column, run_train, threads, torchrun
+from tests.helpers import ROOT, column, run_recipes, run_train, threads, torchrun
 
 pytestmark = pytest.mark.fp32("rollout/training, layout and resume equalities at fp32 precision")
 
@@ -56,3 +56,11 @@ def test_tiny_moe_grpo_learns_with_router_replay(tmp_path):
     assert accuracy[-1] >= accuracy[0] + 0.10, accuracy
     assert set(column(tmp_path / "grpo", "moe/routing_replay_frac")) == {1.0}
     assert max(column(tmp_path / "grpo", "rollout/logprob_mismatch_max")) <= 1e-5
+    # at EP2, sampling at top_p=0.8 and at top_k=8 with the kept sets replayed (tests/test_sampling_mask.py)
+    filters = {"top_p": "rollout.top_p=0.8", "top_k": "rollout.top_k=8"}
+    run_recipes([["--recipe", "tiny_moe_grpo", "train.max_steps=2", *quiet, "checkpoint.save=false", "parallel.ep=2",
+                  f"checkpoint.load={tmp_path / 'sft'}", f"logging.run_dir={tmp_path / name}", arg]
+                 for name, arg in filters.items()], nproc=2)
+    for name in filters:
+        assert max(column(tmp_path / name, "rollout/logprob_mismatch_max")) <= 1e-5
+        assert min(column(tmp_path / name, "rollout/filtered_logprob_gap")) > 1e-3

@@ -219,7 +219,7 @@ def teacher_batch(cfg: Config, trainee, rollout, names: list[str], teachers: dic
     """The rollout packed with what the student learns from, and its metrics: with several teachers each
     sample's per-token advantages against its teacher (and the old policy's logprobs when more than one
     optimizer step uses them), else the one teacher's top-k at every position."""
-    batch = RLBatch.of(rollout, cfg.data.seq_length, pad_id)
+    batch = RLBatch.of(rollout, cfg.data.seq_length, pad_id, replay_filter=False)  # the student's full distribution
     if not cfg.distill.teachers:
         tensors = batch.tensors("tokens", "labels", "loss_mask", "index")
         tensors["topk_ids"], tensors["topk_logp"] = teacher_topk(teachers[""], tensors, cfg, vocab)

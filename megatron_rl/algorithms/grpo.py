@@ -78,7 +78,18 @@ def rollout_metrics(scored: Scored, by_reward_model: bool) -> dict:
             **({} if by_reward_model else {"rollout/accuracy": (scores >= 1).sum().item()}),
             "rollout/response_len_mean": float(sum(rollout.lengths)),
             "rollout/truncated_frac": float(sum(rollout.truncated)), "rollout/reward_failure_frac": float(scored.failures)}
-    return {**global_mean(sums, len(scores)), **(reward_model_stats(scores) if by_reward_model else {})}
+    return {**global_mean(sums, len(scores)), **(reward_model_stats(scores) if by_reward_model else {}),
+            **(filter_gap(rollout) if rollout.thresholds else {})}
+
+
+def filter_gap(rollout) -> dict:
+    """rollout/filtered_logprob_gap: the mean over sampled tokens (all ranks) of log p under the top-p /
+    top-k sampler's kept set, renormalized, minus log p under the full distribution: minus the log of the
+    probability mass the filter kept (0 when it kept everything)."""
+    masks = rollout.masks or [[1.0] * len(c) for c in rollout.completions]
+    gap = sum((f - u) * m for fs, us, ms in zip(rollout.logprobs, rollout.full_logprobs, masks)
+              for f, u, m in zip(fs, us, ms))
+    return global_mean({"rollout/filtered_logprob_gap": gap}, sum(sum(m) for m in masks))
 
 
 def old_and_reference_logprobs(cfg: Config, trainee, models: Models, batch: RLBatch) -> None:
@@ -86,7 +97,7 @@ def old_and_reference_logprobs(cfg: Config, trainee, models: Models, batch: RLBa
     batch.ref_logp, each replaying the rollout's MoE routes when algorithm.router_replay."""
     replay = cfg.algorithm.router_replay
     if not one_update_per_batch(cfg.algorithm):
-        batch.old_logp = logprobs_of(trainee.model, batch.tensors(), cfg, models.tape, replay)
+        batch.old_logp = logprobs_of(trainee.model, batch.tensors(), cfg, models.tape, replay, filtered=True)
     if models.reference is not None:
         with adapters_off(models.reference):
             batch.ref_logp = logprobs_of(models.reference, batch.tensors(), cfg, models.ref_tape, replay)
@@ -108,7 +119,7 @@ def advantages_of(cfg: Config, scored: Scored, batch: RLBatch | None = None) -> 
         case "rloo":
             return losses.group_advantages(scored.shaped, n, "loo", "none")
         case "reinforce_pp":
-            kl = losses.kl_penalty(batch.rollout_logp, batch.ref_logp, a.kl_estimator) if a.kl_coef else None
+            kl = losses.kl_penalty(batch.unfiltered_rollout_logp, batch.ref_logp, a.kl_estimator) if a.kl_coef else None
             return losses.reinforce_pp_advantages(scored.shaped, n, batch.loss_mask, kl, a.kl_coef, reduce=dp_sum)
     return losses.group_advantages(scored.shaped, n, a.baseline, a.std_normalization, reduce=dp_sum)
 

@@ -36,7 +36,7 @@ class Critic:
         """Per-token advantages (N, S); batch gains the critic's old values and the returns."""
         a, p = self.cfg.algorithm, self.cfg.ppo
         mask = batch.loss_mask
-        kl = losses.kl_penalty(batch.rollout_logp, batch.ref_logp, a.kl_estimator) if a.kl_coef else None
+        kl = losses.kl_penalty(batch.unfiltered_rollout_logp, batch.ref_logp, a.kl_estimator) if a.kl_coef else None
         rewards = losses.token_rewards(scored.shaped, mask, kl, a.kl_coef)
         values = critic_lib.values_of(self.trainee.model, batch.tensors(), self.cfg) * mask
         advantages, returns = losses.gae(rewards, values, mask, p.gamma, p.lam)

@@ -45,7 +45,8 @@ class DataConfig:
     """Compute training's log-probabilities, entropy and losses this many tokens at a time from the output
     layer's input (its projection, log-softmax and gather fused per chunk and redone in backward), so that
     no (tokens x vocabulary) fp32 logits are held: memory grows with the chunk, not the sequence. 0: off
-    (the whole microbatch's logits, as before)."""
+    (the whole microbatch's logits, as before). -1: automatic, on where a microbatch's fp32 logits on one
+    rank would pass 1 GiB, in chunks of about 256 MiB of logits (training/chunked.py chunk_tokens)."""
     num_train: int = 20000
     """Samples to generate for a synthetic task's training split."""
     num_val: int = 256
@@ -94,9 +95,9 @@ class DataConfig:
     def validate(self, dp: int = 1, uses_global_batch: bool = True):
         """uses_global_batch: SFT's batches; GRPO's come from algorithm.prompts_per_step x rollout.n."""
         positive(self, "seq_length", "micro_batch_size", "global_batch_size")
-        if self.logprob_chunk_tokens < 0:
-            raise ConfigError(f"data.logprob_chunk_tokens={self.logprob_chunk_tokens} must be >= 0 (0: off; a few "
-                              "hundred to a few thousand tokens).")
+        if self.logprob_chunk_tokens < -1:
+            raise ConfigError(f"data.logprob_chunk_tokens={self.logprob_chunk_tokens} must be >= -1 (0: off; -1: "
+                              "automatic; or a few hundred to a few thousand tokens).")
         if uses_global_batch and self.global_batch_size % (self.micro_batch_size * dp):
             raise ConfigError(
                 f"data.global_batch_size={self.global_batch_size} is not divisible by data.micro_batch_size"

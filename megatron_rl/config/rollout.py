@@ -16,9 +16,11 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature (greedy evaluation ignores it)."""
     top_p: float = 0.0
-    """Nucleus sampling; 0 turns it off. Cannot be combined with top_k."""
+    """Nucleus sampling; 0 turns it off. Cannot be combined with top_k. Training replays each token's kept
+    set: its logprobs and loss are over the tokens the sampler kept, renormalized (docs/algorithms/grpo.md)."""
     top_k: int = 0
-    """Sample among the k most likely tokens; 0 turns it off."""
+    """Sample among the k most likely tokens (and any tied with the k-th); 0 turns it off. Replayed in
+    training as top_p is."""
     max_new_tokens: int = 16
     """The most tokens a sample (an episode's turn) generates."""
     stop: list[str] = field(default_factory=list)
@@ -65,6 +67,8 @@ class RolloutConfig:
             raise ConfigError(f"rollout.observation_format={self.observation_format!r} must be 'text' or 'chat'.")
         if self.top_k and self.top_p:
             raise ConfigError("rollout.top_k and rollout.top_p cannot both be set; pick one (0 turns one off).")
+        if self.top_k < 0:
+            raise ConfigError(f"rollout.top_k={self.top_k} must be >= 0 (0 turns it off).")
         if not 0.0 <= self.top_p <= 1.0 or self.temperature <= 0:
             raise ConfigError("rollout.top_p must be in [0, 1] and rollout.temperature positive.")
 

@@ -2,6 +2,8 @@
 
 import torch
 
+from megatron_rl.config import ConfigError
+
 from .rows import DataError, Rows
 from .tokenizer import prompt_ids
 
@@ -15,6 +17,9 @@ def prompt_splits(cfg, run_dir):
     tokenizer, train_path, val_path = data_files(cfg, run_dir)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = len(tokenizer)
+    if cfg.rollout.top_k >= cfg.model.vocab_size:
+        raise ConfigError(f"rollout.top_k={cfg.rollout.top_k} keeps every token of the vocabulary ({cfg.model.vocab_size}"
+                          f" tokens); lower it, or set 0 for no top-k filter.")
     seq, skip = cfg.data.seq_length, cfg.data.on_bad_row
     train_rows, val_rows = read_rows(train_path, skip), read_rows(val_path, skip) if val_path else None
     train = encode_prompts(train_rows, tokenizer, seq)
@@ -50,15 +55,17 @@ def encode_prompts(rows: Rows, tokenizer, seq_length: int) -> tuple[list[list[in
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]], seq_length: int, pad_id: int,
-         masks: list[list[float]] | None = None, **per_token: list[list[float]]) -> dict[str, torch.Tensor]:
+         masks: list[list[float]] | None = None, fill: dict[str, float] | None = None,
+         **per_token: list[list[float]]) -> dict[str, torch.Tensor]:
     """Samples -> tokens, labels (next token), loss_mask (the completion's tokens; with masks, those
     whose mask is 1: a multi-turn episode's generated tokens, not the environment's) of shape (N, S),
-    and each per-token list in `per_token` (aligned with the completion) placed at its labels."""
+    and each per-token list in `per_token` (aligned with the completion) placed at its labels, fill[name]
+    (default 0) elsewhere."""
     n = len(prompts)
     tokens = torch.full((n, seq_length), pad_id, dtype=torch.long)
     labels = torch.full((n, seq_length), pad_id, dtype=torch.long)
     mask = torch.zeros((n, seq_length))
-    extra = {k: torch.zeros((n, seq_length)) for k in per_token}
+    extra = {k: torch.full((n, seq_length), (fill or {}).get(k, 0.0)) for k in per_token}
     for i, (p, c) in enumerate(zip(prompts, completions)):
         ids = p + c
         if len(ids) - 1 > seq_length:

@@ -26,6 +26,12 @@ class Rollout:
     truncated: list[bool]  # stopped by the token budget, not by eos or a stop string
     routes: list = field(default_factory=list)  # MoE with a routing tape: per sample, experts of each fed token (tokens, layers, topk)
     masks: list = field(default_factory=list)  # multi-turn episodes: per completion token, 1 if generated, 0 if the environment's
+    # top-p / top-k (rollout.top_p, top_k; empty without): per generated token, the smallest logit the sampler
+    # kept (-inf: none filtered; `logprobs` are then the kept set's, renormalized), the kept set's size, and
+    # the token's log p under the full distribution
+    thresholds: list = field(default_factory=list)
+    kept: list = field(default_factory=list)
+    full_logprobs: list = field(default_factory=list)
 
     @property
     def lengths(self) -> list[int]:
@@ -107,6 +113,30 @@ def _wrapper_class():
     return TraineeWrapper
 
 
+def sampling_threshold(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Per row of logits (n, V), a threshold below which the sampler drops every logit: the k largest
+    logits are kept for top-k; for top-p the nucleus, the smallest prefix (most likely first) whose
+    probability at this temperature reaches top_p; -inf where nothing is filtered. Ties with the last
+    kept logit are kept, and the threshold lies midway between that logit and the next lower one, so a
+    training forward whose logits round slightly differently keeps the same set."""
+    logits = logits.float()
+    if top_k > 1:
+        return _midway_below(logits, torch.topk(logits, top_k, dim=-1).values[:, -1])
+    if 0.0 < top_p < 1.0:
+        ordered = logits.sort(dim=-1, descending=True).values
+        probs = (ordered / temperature).softmax(dim=-1)
+        before = torch.cat([torch.zeros_like(probs[:, :1]), probs.cumsum(dim=-1)[:, :-1]], dim=-1)
+        last = (before < top_p).sum(dim=-1, keepdim=True) - 1  # the nucleus is complete after it
+        return _midway_below(ordered, ordered.gather(-1, last)[:, 0])
+    return torch.full((len(logits),), float("-inf"), device=logits.device)
+
+
+def _midway_below(logits: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """Per row, halfway between `last` and the largest logit below it (-inf where there is none)."""
+    lower = logits.masked_fill(logits >= last[:, None], float("-inf")).max(dim=-1).values
+    return torch.where(lower.isneginf(), lower, (last + lower) / 2)
+
+
 def _fast_sampling_controller_class():
     from megatron.core.inference.text_generation_controllers.text_generation_controller import (
         TextGenerationController)
@@ -115,24 +145,47 @@ def _fast_sampling_controller_class():
         """megatron-core's controller, drawing each token by inverse CDF (one uniform number per row)
         rather than torch.multinomial, which on CPU draws a random number per vocabulary entry
         (12 ms for 64 x 8192 probabilities). The same distribution: temperature, then top-k or
-        top-p (the smallest set of tokens whose probability reaches top_p)."""
+        top-p (sampling_threshold). Each sampled token's log-prob is under the distribution it was
+        drawn from: the kept set's, renormalized (at temperature 1, as training computes it); with it
+        the controller returns the kept set's threshold logit and size and the full distribution's
+        log-prob (a record per token, which RolloutEngine.generate unpacks)."""
 
-        def _torch_sampling_func(self, logits, temperature, top_k, top_p, vocab_size=None):
-            if top_k == 1:
-                return logits.argmax(dim=-1)
-            logits = logits.float() / temperature
-            if top_k > 1:
-                kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            probs = logits.softmax(dim=-1)
-            if 0.0 < top_p < 1.0:
-                sorted_probs, order = probs.sort(dim=-1, descending=True)
-                outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p  # the nucleus is already complete
-                probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+        thresholds: torch.Tensor | None = None  # this step's, per active request
+
+        def _sample(self, logits, temperature, top_k, top_p) -> tuple[torch.Tensor, torch.Tensor]:
+            """(sampled ids, thresholds) of logits (n, V)."""
+            if top_k == 1:  # greedy: its log-probs stay the full distribution's
+                return logits.argmax(dim=-1), sampling_threshold(logits, temperature, 0, 0.0)
+            threshold = sampling_threshold(logits, temperature, top_k, top_p)
+            logits = logits.float()
+            probs = (logits.masked_fill(logits < threshold[:, None], float("-inf")) / temperature).softmax(dim=-1)
             cdf = probs.cumsum(dim=-1)
             # 1 - U lies in (0, 1]: a zero-probability first token can never be drawn
             u = (1.0 - torch.rand(len(cdf), 1, generator=self.sampling_rng, device=cdf.device)) * cdf[:, -1:]
-            return torch.searchsorted(cdf, u).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
+            return torch.searchsorted(cdf, u).squeeze(-1).clamp(max=cdf.shape[-1] - 1), threshold
+
+        def _torch_sampling_func(self, logits, temperature, top_k, top_p, vocab_size=None):
+            return self._sample(logits, temperature, top_k, top_p)[0]
+
+        def _dynamic_step_sample_logits(self, logits):
+            # megatron's, for its torch backend, keeping each row's threshold; the engine always
+            # materializes only the last token's logits
+            last = logits.squeeze(0)
+            self.thresholds = torch.full((len(last),), float("-inf"), device=last.device)
+            for indices, temp, top_k, top_p in self._torch_sampling_buckets:
+                rows = torch.tensor(indices, device=last.device)
+                self._sampled_tokens_cuda[rows], self.thresholds[rows] = self._sample(last[rows], temp, top_k, top_p)
+
+        def _dynamic_step_calculate_log_probs(self, logits):
+            context = self.inference_wrapped_model.inference_context
+            n = context.total_request_count - context.paused_request_count
+            last, tokens, threshold = logits.squeeze(0)[:n].float(), self._sampled_tokens_cuda[:n, None], self.thresholds[:n]
+            full = last.log_softmax(dim=-1)
+            kept = last >= threshold[:, None]
+            filtered = full if bool(threshold.isneginf().all()) else last.masked_fill(~kept, float("-inf")).log_softmax(-1)
+            records = torch.stack([filtered.gather(-1, tokens)[:, 0], full.gather(-1, tokens)[:, 0], threshold,
+                                   kept.sum(dim=-1).float()], dim=1)
+            return [[tuple(r)] for r in records.tolist()], full
 
     return FastSamplingController
 
@@ -272,6 +325,10 @@ class RolloutEngine:
             return_log_probs=True, skip_prompt_log_probs=True, termination_id=self.termination_id,
             stop_words=stop or None)
 
+    def filters(self, greedy: bool = False) -> bool:
+        """Whether sampling keeps only part of the vocabulary (rollout.top_p, top_k > 1)."""
+        return not greedy and (0.0 < self.cfg.top_p < 1.0 or self.cfg.top_k > 1)
+
     def generate(self, prompts: list[list[int]], n: int = 1, seed: int = 0, greedy: bool = False,
                  tape=None, stops: list[list[str]] | None = None, max_new_tokens: list[int] | None = None,
                  routes: list | None = None) -> Rollout:
@@ -303,11 +360,17 @@ class RolloutEngine:
         prompt_ids = [r.prompt_tokens.tolist() for r in samples]
         completions = [list(r.generated_tokens) for r in samples]
         fed = [len(p) + len(c) - 1 for p, c in zip(prompt_ids, completions)]  # the last token is never fed
+        # per token (log p, full log p, threshold, kept); a request stopped by a stop string runs one more
+        # step whose record megatron keeps but whose token it drops
+        records = [list(zip(*(r.generated_log_probs or [])[: len(c)])) or [()] * 4 for r, c in zip(samples, completions)]
+        filtered = self.filters(greedy)
         return Rollout(
             prompts=prompt_ids,
             completions=completions,
-            # a request stopped by a stop string runs one more step whose log-prob megatron keeps but whose token it drops
-            logprobs=[[float(x) for x in (r.generated_log_probs or [])][: len(c)] for r, c in zip(samples, completions)],
+            logprobs=[list(r[0]) for r in records],
+            thresholds=[list(r[2]) for r in records] if filtered else [],
+            kept=[[int(k) for k in r[3]] for r in records] if filtered else [],
+            full_logprobs=[list(r[1]) for r in records] if filtered else [],
             truncated=[len(c) >= (budgets[k // n] or self.cfg.max_new_tokens) and not self._ended(c, stops[k // n])
                        for k, c in enumerate(completions)],
             routes=tape.collect(order, fed) if tape is not None else [])

@@ -36,6 +36,10 @@ class Episodes:
     stats: dict  # rollout/turns_mean, ... (this rank's episodes)
 
 
+# Rollout's per-token fields and an observation token's value in each (the last three: top-p / top-k only)
+OBSERVED = {"masks": 0.0, "logprobs": 0.0, "thresholds": float("-inf"), "kept": 0, "full_logprobs": 0.0}
+
+
 def budget_of(cfg) -> int:
     """The most tokens an episode may hold: what the engine and training both take."""
     return min(cfg.rollout.max_sequence_length, cfg.data.seq_length + 1)
@@ -110,7 +114,8 @@ def run_episodes(engine, runner, tokenizer, prompts: list[list[int]], metadata: 
     count = len(prompts) * n
     prompt = [list(prompts[i // n]) for i in range(count)]
     texts = decode_texts(tokenizer, prompts)
-    ids, mask, logp = [[] for _ in range(count)], [[] for _ in range(count)], [[] for _ in range(count)]
+    ids = [[] for _ in range(count)]
+    per_token = {f: [[] for _ in range(count)] for f in list(OBSERVED)[: 5 if engine.filters(greedy) else 2]}
     conversation = [[{"role": "user", "content": texts[i // n]}] for i in range(count)]
     meta = [dict(metadata[i // n]) for i in range(count)]
     stop = [list(engine.cfg.stop) + list(env.stop)] * count
@@ -134,8 +139,8 @@ def run_episodes(engine, runner, tokenizer, prompts: list[list[int]], metadata: 
             if tape is not None:
                 routes[i] = out.routes[k]
             ids[i] += out.completions[k]
-            mask[i] += [1.0] * len(out.completions[k])
-            logp[i] += out.logprobs[k]
+            for f, values in per_token.items():
+                values[i] += [1.0] * len(out.completions[k]) if f == "masks" else getattr(out, f)[k]
             generated[i] += len(out.completions[k])
             turns[i] += 1
             conversation[i].append({"role": "assistant", "content": tokenizer.decode(out.completions[k],
@@ -164,8 +169,8 @@ def run_episodes(engine, runner, tokenizer, prompts: list[list[int]], metadata: 
                 ending[i] = "truncated"
                 continue
             ids[i] += obs
-            mask[i] += [0.0] * len(obs)
-            logp[i] += [0.0] * len(obs)
+            for f, values in per_token.items():
+                values[i] += [OBSERVED[f]] * len(obs)
             observed[i] += len(obs)
             conversation[i].append({"role": "environment", "content": t.observation})
             if t.stop is not None:
@@ -173,8 +178,8 @@ def run_episodes(engine, runner, tokenizer, prompts: list[list[int]], metadata: 
             still.append(i)
         active = still
     reward = [({k: 0.0 for k in r} if isinstance(r, dict) else 0.0) if f else r for r, f in zip(reward, failed)]
-    rollout = Rollout(prompts=prompt, completions=ids, logprobs=logp, truncated=[e == "truncated" for e in ending],
-                      masks=mask, routes=routes if tape is not None else [])
+    rollout = Rollout(prompts=prompt, completions=ids, truncated=[e == "truncated" for e in ending],
+                      routes=routes if tape is not None else [], **per_token)
     return Episodes(rollout, reward, answer, sum(failed), errors[:5], episode_stats(turns, ending, generated, observed))
 
 

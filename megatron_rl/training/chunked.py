@@ -16,6 +16,23 @@ import types
 import torch
 
 
+AUTO_ON_BYTES, AUTO_CHUNK_BYTES = 1 << 30, 256 << 20  # data.logprob_chunk_tokens=-1
+
+
+def chunk_tokens(cfg) -> int:
+    """The tokens of a chunk (0: no chunking) for data.logprob_chunk_tokens; -1 (automatic) chunks where a
+    microbatch's fp32 logits on one rank (its tokens / CP x vocabulary / TP) would pass 1 GiB, in chunks
+    of about 256 MiB of logits (a multiple of 64 tokens)."""
+    d, p, m = cfg.data, cfg.parallel, cfg.model
+    if d.logprob_chunk_tokens != -1:
+        return d.logprob_chunk_tokens
+    row = 4 * -(-m.vocab_size // p.tp)  # one token's fp32 logits on a rank
+    tokens = (d.max_tokens_per_microbatch or d.micro_batch_size * d.seq_length) // p.cp
+    if tokens * row <= AUTO_ON_BYTES:
+        return 0
+    return max(64, AUTO_CHUNK_BYTES // row // 64 * 64)
+
+
 def padding_start(vocab_size: int, shard: int) -> int | None:
     """Where megatron's padded vocabulary (ids >= vocab_size) starts in this tensor-parallel rank's shard of
     `shard` entries, or None where the shard has none."""
@@ -88,22 +105,36 @@ def _picked(logits: torch.Tensor, ids: torch.Tensor, shard_start: int):
     return torch.where(mine, logits.gather(-1, local), 0.0), mine, local
 
 
+def outside_kept(logits: torch.Tensor, ids: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """Where vocab-parallel logits (..., V/tp) fall outside a sampler's kept set: below threshold (...,),
+    except at ids (..., k), which are always kept (the sampled token, whose logit may round to just below
+    it in training)."""
+    from megatron.core import parallel_state as ps
+
+    shard = logits.shape[-1]
+    _, mine, local = _picked(logits, ids, ps.get_tensor_model_parallel_rank() * shard)
+    below = logits < threshold[..., None]
+    return below.scatter_(-1, local, below.gather(-1, local) & ~mine)
+
+
 class _LogProbsAt(torch.autograd.Function):
     """From ChunkedLogits: log p at ids (n, k) per token and, with `entropy`, sum_v p_v log p_v (n,), in
-    fp32 over the whole (vocab-parallel) vocabulary. Forward keeps one chunk's logits at a time and each
-    token's max and log-normalizer; backward recomputes each chunk's logits and softmax."""
+    fp32 over the whole (vocab-parallel) vocabulary; with a threshold (n,), over a sampler's kept set
+    (outside_kept). Forward keeps one chunk's logits at a time and each token's max and log-normalizer;
+    backward recomputes each chunk's logits and softmax."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, ids, source: ChunkedLogits, entropy: bool):
+    def forward(ctx, hidden, weight, ids, source: ChunkedLogits, entropy: bool, threshold=None):
         group, rank, dist = _tp()
         ctx.set_materialize_grads(False)
         c = source._with(hidden=hidden, weight=weight)
         ids = ids.reshape(-1, ids.shape[-1])
+        threshold = None if threshold is None else threshold.reshape(-1)
         n = len(ids)
         out = torch.empty(ids.shape, dtype=torch.float32, device=hidden.device)
         top, log_z, neg_entropy = (torch.zeros(n, device=hidden.device) for _ in range(3))
         for rows in c.rows():
-            logits = c.logits(rows)
+            logits = _kept_logits(c, rows, ids, threshold)
             picked, _, _ = _picked(logits, ids[rows], rank * logits.shape[-1])
             top[rows] = logits.max(dim=-1).values
             if group is not None:
@@ -120,7 +151,7 @@ class _LogProbsAt(torch.autograd.Function):
             if entropy:
                 neg_entropy[rows] = stats[2] / stats[0] - log_z[rows]
         ctx.save_for_backward(hidden, weight, ids, top + log_z, neg_entropy)
-        ctx.source = source
+        ctx.source, ctx.threshold = source, threshold
         return out.view(*hidden.shape[:-1], -1), neg_entropy.view(hidden.shape[:-1])
 
     @staticmethod
@@ -137,7 +168,7 @@ class _LogProbsAt(torch.autograd.Function):
         grad_hidden = torch.empty_like(flat)
         grad_weight = main_grad if main_grad is not None else torch.zeros_like(weight, dtype=torch.float32)
         for rows in c.rows():
-            logp = c.logits(rows).sub_(lse[rows, None])
+            logp = _kept_logits(c, rows, ids, ctx.threshold).sub_(lse[rows, None])
             # d log p_i / d logit_v = [v = i] - p_v;  d sum_u p_u log p_u / d logit_v = p_v (log p_v - that sum);
             # in place, so that a chunk holds two (vocabulary-wide) buffers at most
             if grad_entropy is not None:
@@ -159,12 +190,21 @@ class _LogProbsAt(torch.autograd.Function):
         # tensor-parallel all-reduce of this gradient (_CopyToModelParallelRegion's backward) reduces a
         # contiguous copy of a non-contiguous gradient and drops it
         grad_hidden = torch.empty_like(hidden).copy_(grad_hidden.view(hidden.shape))
-        return grad_hidden, None if main_grad is not None else grad_weight.to(weight.dtype), None, None, None
+        return grad_hidden, None if main_grad is not None else grad_weight.to(weight.dtype), None, None, None, None
 
 
-def token_logprobs(c: ChunkedLogits, labels: torch.Tensor) -> torch.Tensor:
-    """(B, S) fp32 log p(labels), differentiable in the hidden states and the output weight."""
-    return _LogProbsAt.apply(c.hidden, c.weight, labels[..., None], c, False)[0][..., 0]
+def _kept_logits(c: ChunkedLogits, rows: slice, ids: torch.Tensor, threshold: torch.Tensor | None) -> torch.Tensor:
+    """A chunk's logits, -inf outside the sampler's kept set where there is one."""
+    logits = c.logits(rows)
+    if threshold is None:
+        return logits
+    return logits.masked_fill_(outside_kept(logits, ids[rows], threshold[rows]), float("-inf"))
+
+
+def token_logprobs(c: ChunkedLogits, labels: torch.Tensor, threshold: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, S) fp32 log p(labels), differentiable in the hidden states and the output weight; threshold:
+    logprobs.token_logprobs'."""
+    return _LogProbsAt.apply(c.hidden, c.weight, labels[..., None], c, False, threshold)[0][..., 0]
 
 
 def logprobs_at(c: ChunkedLogits, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

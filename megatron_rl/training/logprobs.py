@@ -18,17 +18,36 @@ def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return logits
 
 
-def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, threshold: torch.Tensor | None = None) -> torch.Tensor:
     """log p(labels) from vocab-parallel logits (B, S, V/tp); differentiable. Returns (B, S) fp32.
+    threshold (B, S): a top-p / top-k sampler's kept set replayed: p is the distribution over the logits
+    at or above it (and the label), renormalized; the rest get no gradient (-inf: the full distribution).
 
-    Overwrites fp32 `logits` (megatron's cross entropy works in place to save memory): compute
-    anything else from the logits before calling this.
+    Without a threshold, overwrites fp32 `logits` (megatron's cross entropy works in place to save
+    memory): compute anything else from the logits before calling this.
     """
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     if isinstance(logits, ChunkedLogits):
-        return chunked.token_logprobs(logits, labels)
+        return chunked.token_logprobs(logits, labels, threshold)
+    if threshold is not None:
+        logits = logits.float().masked_fill(chunked.outside_kept(logits, labels[..., None], threshold), float("-inf"))
     return -vocab_parallel_cross_entropy(logits.float(), labels)
+
+
+@torch.no_grad()
+def kept_size(logits: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """How many entries of the whole vocabulary are at or above threshold (B, S), from vocab-parallel
+    logits (B, S, V/tp) whose padding entries are -inf: (B, S) fp32."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if isinstance(logits, ChunkedLogits):
+        return chunked.by_chunk(kept_size, logits, threshold)
+    count = (logits.float() >= threshold[..., None]).sum(dim=-1).float()
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(count, group=ps.get_tensor_model_parallel_group())
+    return count
 
 
 @torch.no_grad()

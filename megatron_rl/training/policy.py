@@ -15,7 +15,7 @@ import torch
 from megatron_rl import losses, platform
 from megatron_rl.config import Config
 from megatron_rl.data import rl as rl_data
-from megatron_rl.training.logprobs import entropy, mask_padded_vocab, token_logprobs
+from megatron_rl.training.logprobs import entropy, kept_size, mask_padded_vocab, token_logprobs
 from megatron_rl.training.routing import pack_routes, routes_queued
 from megatron_rl.training.step import cp_sum, first_cp_rank, forward_only, make_microbatches, put_tokens, train_step
 
@@ -30,6 +30,11 @@ class RLBatch:
     loss_mask: torch.Tensor  # 1 at the generated tokens the loss counts (not prompts, observations, padding)
     rollout_logp: torch.Tensor  # the sampler's logprobs of the sampled tokens
     index: torch.Tensor  # (N,) each row's number, to put per-token results back in place
+    # top-p / top-k: the sampler's kept set (every logit >= threshold; -inf: all), its size, and the
+    # full distribution's logprobs (rollout_logp are then the kept set's)
+    threshold: torch.Tensor | None = None
+    kept: torch.Tensor | None = None
+    rollout_full_logp: torch.Tensor | None = None
     advantages: torch.Tensor | None = None  # (N,) per sample, or (N, S) per token
     old_logp: torch.Tensor | None = None  # the old policy's logprobs (None: the training forward's own)
     ref_logp: torch.Tensor | None = None  # the reference policy's (a KL penalty)
@@ -39,12 +44,24 @@ class RLBatch:
     returns: torch.Tensor | None = None  # PPO: the critic's targets
 
     @classmethod
-    def of(cls, rollout, seq_length: int, pad_id: int, routes: bool = False) -> "RLBatch":
-        """A rollout's samples (rollout/engine.Rollout) packed; with `routes`, their MoE routes too."""
+    def of(cls, rollout, seq_length: int, pad_id: int, routes: bool = False, replay_filter: bool = True) -> "RLBatch":
+        """A rollout's samples (rollout/engine.Rollout) packed; with `routes`, their MoE routes too. A top-p /
+        top-k rollout's kept sets come with it for training to replay; without `replay_filter`, its logprobs
+        are the full distribution's instead (distillation's)."""
+        filtered = {}
+        if rollout.thresholds and replay_filter:
+            filtered = dict(threshold=rollout.thresholds, kept=rollout.kept, rollout_full_logp=rollout.full_logprobs)
         packed = rl_data.pack(rollout.prompts, rollout.completions, seq_length, pad_id, masks=rollout.masks or None,
-                              rollout_logp=rollout.logprobs)
+                              fill={"threshold": float("-inf")}, **filtered,
+                              rollout_logp=rollout.full_logprobs if rollout.thresholds and not replay_filter
+                              else rollout.logprobs)
         extra = pack_routes(rollout.routes, seq_length) if routes else {}
         return cls(**packed, index=torch.arange(len(rollout.completions)), **extra)
+
+    @property
+    def unfiltered_rollout_logp(self) -> torch.Tensor:
+        """The sampler's logprobs under the full distribution (a KL to the reference takes these)."""
+        return self.rollout_logp if self.rollout_full_logp is None else self.rollout_full_logp
 
     def tensors(self, *names: str) -> dict[str, torch.Tensor]:
         """The fields named (default: all) that are set, by name: what microbatches are cut from."""
@@ -65,18 +82,22 @@ def kl_in_reward(a) -> bool:
 
 
 def logprobs_of(model_chunks: list, batch: dict, cfg: Config, tape=None, replay: bool = False,
-                vocab: int = 0) -> torch.Tensor:
+                vocab: int = 0, filtered: bool = False) -> torch.Tensor:
     """Per-token logprobs of the labels (N, S) under `model_chunks`, from the training forward
     (valid on the last pipeline stage; zeros elsewhere). batch: tokens, labels, loss_mask, index (and
     routes, fed with a tape). tape: the model's RoutingTape, replaying the rollout's routes (or comparing
     with them). vocab: ids from here on are masked (default: model.vocab_size; another model of the same
-    tokenizer may pad its vocabulary differently)."""
+    tokenizer may pad its vocabulary differently). filtered: over the sampler's kept sets where the batch
+    has them (batch["threshold"]: the policy's own), else the full distribution (the reference's)."""
     out = torch.zeros_like(batch["loss_mask"])
+    filtered = filtered and "threshold" in batch
 
     def collect(mb, logits):
-        put_tokens(out, mb, token_logprobs(mask_padded_vocab(logits, vocab or cfg.model.vocab_size), mb["labels"]))
+        logits = mask_padded_vocab(logits, vocab or cfg.model.vocab_size)
+        put_tokens(out, mb, token_logprobs(logits, mb["labels"], mb["threshold"] if filtered else None))
 
-    keys = ("tokens", "labels", "loss_mask", "index", *(["routes", "fed"] if tape is not None else []))
+    keys = ("tokens", "labels", "loss_mask", "index", *(["routes", "fed"] if tape is not None else []),
+            *(["threshold"] if filtered else []))
     micro = make_microbatches(cfg, {k: batch[k] for k in keys}, cfg.data.micro_batch_size)
     with routes_queued(tape, micro, replay):
         forward_only(model_chunks, micro, collect)
@@ -105,18 +126,25 @@ def policy_gradient_loss(cfg: Config, batch: dict, logits: torch.Tensor, keep_lo
     it they are batch["old_logp"]."""
     a = cfg.algorithm
     logits = mask_padded_vocab(logits, cfg.model.vocab_size)  # (B, S, V/tp)
-    mask = batch["loss_mask"]
+    mask, threshold = batch["loss_mask"], batch.get("threshold")
+    # the entropy and the KL to the reference are the full distribution's; the policy's logprobs are over
+    # the sampler's kept sets where it filtered (rollout.top_p, top_k)
     entropy_sum = losses.masked_sum(entropy(logits), mask)  # before token_logprobs overwrites the logits
-    logp = token_logprobs(logits, batch["labels"])  # (B, S)
+    report = {}
+    if threshold is not None:
+        report["filter_differs"] = losses.masked_sum((kept_size(logits, threshold) != batch["kept"]).float(),
+                                                     mask * (threshold > float("-inf")))
+    logp = token_logprobs(logits, batch["labels"], threshold)  # (B, S)
+    full_logp = logp if threshold is None or not a.kl_coef else token_logprobs(logits, batch["labels"])
     if keep_logp is not None:
         keep_logp(batch, logp.detach())
     proximal = batch["old_logp"] if keep_logp is None else logp.detach()
     # off_policy=rollout_ratio: the behaviour policy (the rollout's) is the old one the ratio is taken against
     old = batch["rollout_logp"] if a.stale() and a.off_policy == "rollout_ratio" else proximal
     loss, clipped = clipped_loss(a, logp, old, batch["advantages"], mask)
-    report = {"clipped": losses.masked_sum(clipped.float(), mask).detach()}
+    report["clipped"] = losses.masked_sum(clipped.float(), mask).detach()
     if a.kl_coef:
-        kl = losses.kl_penalty(logp, batch["ref_logp"], a.kl_estimator)
+        kl = losses.kl_penalty(full_logp, batch["ref_logp"], a.kl_estimator)
         if not kl_in_reward(a):
             loss = loss + a.kl_coef * kl
         report["kl_sum"] = losses.masked_sum(kl, mask).detach()
@@ -174,4 +202,6 @@ def train_policy(trainee, cfg: Config, batch: RLBatch, tape=None) -> tuple[dict,
            "train/grad_norm": sum(grad_norms) / len(grad_norms), "train/kl": sums.get("kl_sum", 0.0) / tokens}
     if a.correction() != "none":
         out["train/mismatch_masked_frac"] = sums.get("mismatch_masked", 0.0) / tokens
+    if batch.threshold is not None:  # tokens whose kept set, replayed in training, is not the sampler's size
+        out["train/filter_size_mismatch_frac"] = sums.get("filter_differs", 0.0) / tokens
     return out, old_logp

@@ -76,9 +76,9 @@ def build_model(cfg: Config, wrap_ddp: bool = True, meta: bool = False, adapters
             for name, param in chunk.named_parameters():
                 if name.endswith("mlp.router.weight"):
                     param.requires_grad_(False)
-    if cfg.data.logprob_chunk_tokens and not meta:
-        from megatron_rl.training import chunked
-        chunked.install(chunks, cfg.data.logprob_chunk_tokens)
+    from megatron_rl.training import chunked
+    if chunked.chunk_tokens(cfg) and not meta:
+        chunked.install(chunks, chunked.chunk_tokens(cfg))
     if platform.has_cuda() and not meta:
         for chunk in chunks:
             chunk.to(platform.device())
