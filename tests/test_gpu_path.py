@@ -62,6 +62,22 @@ def test_an_optimizer_step_reads_the_device_twice_and_norms_once(one_process):
     assert step.global_norm(step.squared_grad_norms(optimizer).tolist()) == pytest.approx(1.0, rel=1e-5)
 
 
+def test_replayed_kept_sets_read_nothing_from_the_device(one_process):
+    """top-p / top-k in training: bf16 logits, the sampler's thresholds replayed in the log-probs, their
+    backward, and the kept sets' sizes read the device no more than the log-probs without them (megatron's
+    vocab_parallel_cross_entropy reads it twice, its boolean index_put_)."""
+    from megatron_rl.training.logprobs import kept_size, token_logprobs
+
+    logits = torch.randn(2, 6, 16, device=device(), dtype=torch.bfloat16, requires_grad=True)
+    labels, threshold = torch.randint(0, 16, (2, 6), device=device()), torch.zeros(2, 6, device=device())
+    with syncs.counting() as plain:
+        token_logprobs(logits, labels).sum().backward()
+    with syncs.counting() as replayed:
+        token_logprobs(logits, labels, threshold).sum().backward()
+        kept_size(logits.detach(), threshold)
+    assert replayed.count == plain.count <= 2, replayed.report()
+
+
 def test_rollout_forwards_read_nothing_from_the_device(one_process, tmp_path):
     """Prefill and decode steps, bf16: no read inside the model's forward. megatron's engine reads
     the device between forwards (its bookkeeping: BENCHMARKS.md lists it)."""

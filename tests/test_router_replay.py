@@ -6,18 +6,19 @@ import subprocess
 
 import pytest
 
-from tests.helpers import ROOT, column, run_recipes, run_train, threads, torchrun
+from tests.helpers import ROOT, column, run_train, threads, torchrun
 
 pytestmark = pytest.mark.fp32("rollout/training, layout and resume equalities at fp32 precision")
 
 
-@pytest.mark.parametrize("layout, nproc", [(["train.recompute=full"], 1), (["parallel.ep=2"], 2),
+# ep2 and ep2-packed also sample at top_p=0.8 and top_k=8: the replayed forward takes the sampler's kept sets
+@pytest.mark.parametrize("layout, nproc", [(["train.recompute=full"], 1), (["parallel.ep=2", "rollout.top_p=0.8"], 2),
                                            (["parallel.pp=2"], 2), (["parallel.tp=2", "parallel.sp=true"], 2),
                                            (["parallel.cp=2"], 2),
                                            (["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"], 2),
-                                           (["parallel.ep=2", "data.max_tokens_per_microbatch=48"], 2),
+                                           (["parallel.ep=2", "data.max_tokens_per_microbatch=48", "rollout.top_k=8"], 2),
                                            (["parallel.ep=2", "--episodes"], 2)],
-                         ids=["recompute", "ep2", "pp2", "tp2-sp", "cp2", "vpp", "ep2-packed", "ep2-episodes"])
+                         ids=["recompute", "ep2-top_p", "pp2", "tp2-sp", "cp2", "vpp", "ep2-packed-top_k", "ep2-episodes"])
 def test_router_replay(layout, nproc, tmp_path):
     cmd = [*torchrun(nproc), "tests/scripts/router_replay.py", str(tmp_path), *layout]
     env = {"PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin",
@@ -33,6 +34,7 @@ def test_router_replay(layout, nproc, tmp_path):
     assert r["before_update_observe"]["compared"] > 0 and r["before_update_observe"]["mismatched"] == 0
     assert r["before_update_replay"]["replayed"] == r["before_update_replay"]["routed"] > 0
     assert max(x["logprob_diff_replay"] for x in results) <= 1e-5  # replayed forward = rollout logprobs
+    assert r["filtered"] == any(a.startswith("rollout.top_") for a in layout)
     train = r["train_replay"]
     assert train["replayed"] == train["routed"] > 0 and r["train_forwards_used_recorded"]
     if "train.recompute=full" in layout:  # the backward re-ran every forward, replaying again
@@ -56,11 +58,3 @@ def test_tiny_moe_grpo_learns_with_router_replay(tmp_path):
     assert accuracy[-1] >= accuracy[0] + 0.10, accuracy
     assert set(column(tmp_path / "grpo", "moe/routing_replay_frac")) == {1.0}
     assert max(column(tmp_path / "grpo", "rollout/logprob_mismatch_max")) <= 1e-5
-    # at EP2, sampling at top_p=0.8 and at top_k=8 with the kept sets replayed (tests/test_sampling_mask.py)
-    filters = {"top_p": "rollout.top_p=0.8", "top_k": "rollout.top_k=8"}
-    run_recipes([["--recipe", "tiny_moe_grpo", "train.max_steps=2", *quiet, "checkpoint.save=false", "parallel.ep=2",
-                  f"checkpoint.load={tmp_path / 'sft'}", f"logging.run_dir={tmp_path / name}", arg]
-                 for name, arg in filters.items()], nproc=2)
-    for name in filters:
-        assert max(column(tmp_path / name, "rollout/logprob_mismatch_max")) <= 1e-5
-        assert min(column(tmp_path / name, "rollout/filtered_logprob_gap")) > 1e-3

@@ -151,6 +151,7 @@ def _fast_sampling_controller_class():
         log-prob (a record per token, which RolloutEngine.generate unpacks)."""
 
         thresholds: torch.Tensor | None = None  # this step's, per active request
+        filtering = False  # whether any of this step's requests samples with top-p / top-k
 
         def _sample(self, logits, temperature, top_k, top_p) -> tuple[torch.Tensor, torch.Tensor]:
             """(sampled ids, thresholds) of logits (n, V)."""
@@ -172,7 +173,9 @@ def _fast_sampling_controller_class():
             # materializes only the last token's logits
             last = logits.squeeze(0)
             self.thresholds = torch.full((len(last),), float("-inf"), device=last.device)
+            self.filtering = False
             for indices, temp, top_k, top_p in self._torch_sampling_buckets:
+                self.filtering |= top_k > 1 or 0.0 < top_p < 1.0
                 rows = torch.tensor(indices, device=last.device)
                 self._sampled_tokens_cuda[rows], self.thresholds[rows] = self._sample(last[rows], temp, top_k, top_p)
 
@@ -182,7 +185,7 @@ def _fast_sampling_controller_class():
             last, tokens, threshold = logits.squeeze(0)[:n].float(), self._sampled_tokens_cuda[:n, None], self.thresholds[:n]
             full = last.log_softmax(dim=-1)
             kept = last >= threshold[:, None]
-            filtered = full if bool(threshold.isneginf().all()) else last.masked_fill(~kept, float("-inf")).log_softmax(-1)
+            filtered = last.masked_fill(~kept, float("-inf")).log_softmax(-1) if self.filtering else full
             records = torch.stack([filtered.gather(-1, tokens)[:, 0], full.gather(-1, tokens)[:, 0], threshold,
                                    kept.sum(dim=-1).float()], dim=1)
             return [[tuple(r)] for r in records.tolist()], full

@@ -23,7 +23,6 @@ import torch
 
 from megatron_rl import platform
 from megatron_rl.config import apply_overrides
-from megatron_rl.data import rl as rl_data
 from megatron_rl.data.tokenizer import build_char_tokenizer
 from recipes import get_recipe
 
@@ -46,7 +45,7 @@ def main():
 
     from megatron_rl.training.policy import RLBatch, logprobs_of, train_policy
     from megatron_rl.rollout.engine import RolloutEngine
-    from megatron_rl.training.routing import RoutingTape, pack_routes
+    from megatron_rl.training.routing import RoutingTape
     from megatron_rl.training.setup import build_trainee
 
     trainee = build_trainee(cfg)
@@ -66,11 +65,9 @@ def main():
         runner.close()
     else:
         rollout = engine.generate(prompts, n=2, seed=0, tape=tape)
-    batch = rl_data.pack(rollout.prompts, rollout.completions, cfg.data.seq_length, tokenizer.pad_token_id,
-                         masks=rollout.masks or None, rollout_logp=rollout.logprobs)
-    n = len(rollout.routes)
-    batch.update(index=torch.arange(n), advantages=torch.randn(n, generator=g),
-                 **pack_routes(rollout.routes, cfg.data.seq_length))
+    packed = RLBatch.of(rollout, cfg.data.seq_length, tokenizer.pad_token_id, routes=True)  # top-p / top-k: kept sets
+    packed.advantages = torch.randn(len(rollout.routes), generator=g)
+    batch = packed.tensors()
     last = ps.is_pipeline_last_stage(ignore_virtual=True)
     mask = batch["loss_mask"] > 0
 
@@ -81,10 +78,11 @@ def main():
         return dict(zip(c, t.tolist()))
 
     result = {"recorded_positions": int(sum((r >= 0).all(-1).all(-1).sum() for r in rollout.routes)),
+              "filtered": bool(rollout.thresholds),
               "observation_tokens": int(sum(m.count(0.0) for m in rollout.masks))}
     logprobs_of(trainee.model, batch, cfg, tape, replay=False)
     result["before_update_observe"] = counts()
-    replayed = logprobs_of(trainee.model, batch, cfg, tape, replay=True)
+    replayed = logprobs_of(trainee.model, batch, cfg, tape, replay=True, filtered=True)
     result["before_update_replay"] = counts()
     result["logprob_diff_replay"] = (replayed - batch["rollout_logp"]).abs()[mask].max().item() if last else 0.0
 
