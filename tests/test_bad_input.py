@@ -208,6 +208,10 @@ CASES = {
     "top-k over the whole vocabulary": (lambda f: ["--recipe", "tiny_grpo", *QUIET, "rollout.top_k=15"],
                                         "rollout.top_k=15 keeps every token of the vocabulary"),
     "negative top-k": (lambda f: ["--recipe", "tiny_grpo", *QUIET, "rollout.top_k=-1"], "rollout.top_k=-1 must be >= 0"),
+    "allgather dispatcher for expert-parallel rollouts": (
+        lambda f: ["--recipe", "tiny_moe_grpo", "parallel.ep=2", "parallel.dp=2", "model.moe_dispatcher=allgather",
+                   "--print-config"],
+        "model.moe_dispatcher=allgather cannot roll out at expert parallelism"),
     "negative staleness": (lambda f: ["--recipe", "tiny_grpo", *QUIET, "algorithm.max_staleness=-1"],
                            "algorithm.max_staleness=-1 must be >= 0"),
     "staleness without generation ranks": (lambda f: ["--recipe", "tiny_grpo", *QUIET, "algorithm.max_staleness=1"],

@@ -11,13 +11,16 @@ from tests.helpers import ROOT, column, run_train, threads, torchrun
 pytestmark = pytest.mark.fp32("rollout/training, layout and resume equalities at fp32 precision")
 
 
-# ep2 and ep2-packed also sample at top_p=0.8 and top_k=8: the replayed forward takes the sampler's kept sets
-@pytest.mark.parametrize("layout, nproc", [(["train.recompute=full"], 1), (["parallel.ep=2", "rollout.top_p=0.8"], 2),
+# ep2 and ep2-packed also sample at top_p=0.8 and top_k=8: the replayed forward takes the sampler's kept sets;
+# ep2 and ep2-episodes give one rank shorter samples (episodes) than the other: the expert-parallel group generates
+# in step (and turn) until both are done, the rank done first running dummy forwards for the other's experts
+@pytest.mark.parametrize("layout, nproc", [(["train.recompute=full"], 1),
+                                           (["parallel.ep=2", "rollout.top_p=0.8", "--uneven"], 2),
                                            (["parallel.pp=2"], 2), (["parallel.tp=2", "parallel.sp=true"], 2),
                                            (["parallel.cp=2"], 2),
                                            (["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"], 2),
                                            (["parallel.ep=2", "data.max_tokens_per_microbatch=48", "rollout.top_k=8"], 2),
-                                           (["parallel.ep=2", "--episodes"], 2)],
+                                           (["parallel.ep=2", "--episodes", "--uneven"], 2)],
                          ids=["recompute", "ep2-top_p", "pp2", "tp2-sp", "cp2", "vpp", "ep2-packed-top_k", "ep2-episodes"])
 def test_router_replay(layout, nproc, tmp_path):
     cmd = [*torchrun(nproc), "tests/scripts/router_replay.py", str(tmp_path), *layout]
@@ -35,6 +38,7 @@ def test_router_replay(layout, nproc, tmp_path):
     assert r["before_update_replay"]["replayed"] == r["before_update_replay"]["routed"] > 0
     assert max(x["logprob_diff_replay"] for x in results) <= 1e-5  # replayed forward = rollout logprobs
     assert r["filtered"] == any(a.startswith("rollout.top_") for a in layout)
+    assert (sum(x["dummy_forwards"] for x in results) > 0) == ("--uneven" in layout)
     train = r["train_replay"]
     assert train["replayed"] == train["routed"] > 0 and r["train_forwards_used_recorded"]
     if "train.recompute=full" in layout:  # the backward re-ran every forward, replaying again

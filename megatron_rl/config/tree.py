@@ -25,6 +25,8 @@ from .train import FP8Config, TrainConfig
 MLA_BLOCK_TOKENS = 64
 MLA_BLOCKS = (f"megatron-core's latent KV cache, which multi-latent attention rolls out from, takes "
               f"{MLA_BLOCK_TOKENS}-token blocks")  # why a model with MLA needs them, said where taken and refused
+UNEVEN_EXPERTS = ("the ranks of an expert-parallel group generate for different requests, so each engine step "
+                  "feeds each its own number of tokens, which the allgather dispatcher cannot gather")
 ON_POLICY = ("grpo", "distill", "ppo")  # loops that roll out algorithm.prompts_per_step x rollout.n samples per step
 
 
@@ -58,6 +60,9 @@ class Config:
             notes.append(f"rollout.block_size_tokens={MLA_BLOCK_TOKENS} (the recipe's {self.rollout.block_size_tokens}): "
                          f"{MLA_BLOCKS}")
             self.rollout.block_size_tokens = MLA_BLOCK_TOKENS
+        if self._uneven_expert_rollouts() and "model.moe_dispatcher" not in chosen:
+            notes.append(f"model.moe_dispatcher=alltoall (the recipe's allgather): {UNEVEN_EXPERTS}")
+            self.model.moe_dispatcher = "alltoall"
         limit, d, r = self.model.max_position_embeddings, self.data, self.rollout
         if d.seq_length >= limit and not chosen & {"data.seq_length", "rollout.max_sequence_length"}:
             seq = (limit - 1) // 16 * 16
@@ -68,6 +73,12 @@ class Config:
             self.rewards.overlong_buffer = min(self.rewards.overlong_buffer, r.max_new_tokens // 4)
             d.max_tokens_per_microbatch = min(d.max_tokens_per_microbatch, 8 * seq)
         return notes
+
+    def _uneven_expert_rollouts(self) -> bool:
+        """Rollouts at expert parallelism through the allgather dispatcher (UNEVEN_EXPERTS)."""
+        p = self.parallel
+        return (self.algorithm.name in ON_POLICY and self.model.num_experts > 0 and self.model.moe_dispatcher == "allgather"
+                and (p.rollout_ep if p.rollout_ranks else p.ep) > 1)
 
     def validate(self, world_size: int = 1):
         """Check everything that can be checked before a model is built."""
@@ -183,6 +194,9 @@ class Config:
         if self.model.multi_latent_attention and r.block_size_tokens != MLA_BLOCK_TOKENS:
             raise ConfigError(f"rollout.block_size_tokens={r.block_size_tokens}: {MLA_BLOCKS}; set "
                               f"rollout.block_size_tokens={MLA_BLOCK_TOKENS}.")
+        if self._uneven_expert_rollouts():
+            raise ConfigError(f"model.moe_dispatcher=allgather cannot roll out at expert parallelism: {UNEVEN_EXPERTS}; "
+                              "set model.moe_dispatcher=alltoall.")
         if a.router_replay and not self.model.num_experts:
             raise ConfigError("algorithm.router_replay=true needs an MoE model (model.num_experts > 0).")
         if self.parallel.cp > 1 and (a.ratio_level == "sequence" or a.mismatch_correction.startswith("sequence")):

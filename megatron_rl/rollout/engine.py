@@ -250,6 +250,13 @@ def _mamba_states(chunks):
     return config
 
 
+def _expert_group():
+    """The expert-parallel group, where there is one of several ranks."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_group() if ps.get_expert_model_parallel_world_size() > 1 else None
+
+
 def _drop_inference_buffers():
     """megatron's global memory buffer (the sequence-parallel all-gather's scratch space) grows
     lazily; what it allocated during the rollout are inference tensors, which training may not
@@ -300,6 +307,7 @@ class RolloutEngine:
         wrapper = _wrapper_class()(self.model, wrapper_config, self.context)
         wrapper.vocab_size, wrapper.chunks = m.vocab_size, unwrapped
         self.controller = _fast_sampling_controller_class()(wrapper, MegatronTokenizer(tokenizer))
+        self.expert_group = _expert_group()
         with self._eval(), torch.inference_mode():  # CUDA graphs (where on) are captured now, as decode steps run
             self.engine = DynamicInferenceEngine(self.controller, self.context, random_seed=rollout.seed)
 
@@ -328,6 +336,19 @@ class RolloutEngine:
             return_log_probs=True, skip_prompt_log_probs=True, termination_id=self.termination_id,
             stop_words=stop or None)
 
+    def anyone(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank of this one's expert-parallel group (itself alone without expert
+        parallelism). Under expert parallelism every forward exchanges tokens with the group's other ranks,
+        each holding its own requests: the group steps together while any of them has work, a rank without
+        any running megatron's one-token dummy forward."""
+        if self.expert_group is None:
+            return flag
+        import torch.distributed as dist
+
+        t = torch.tensor([float(flag)], device=platform.device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.expert_group)
+        return bool(t.item())
+
     def filters(self, greedy: bool = False) -> bool:
         """Whether sampling keeps only part of the vocabulary (rollout.top_p, top_k > 1)."""
         return not greedy and (0.0 < self.cfg.top_p < 1.0 or self.cfg.top_k > 1)
@@ -354,8 +375,11 @@ class RolloutEngine:
             if tape is not None:
                 tape.start_recording(self.context, {k: routes[k // n] for k in order} if routes else None)
             with torch.inference_mode(), platform.weights_unchanged():  # no weight changes during a rollout
-                while self.engine.has_unfinished_requests():
+                while self.anyone(self.engine.has_unfinished_requests()):
                     watchdog.beat("rollout")
+                    if not self.engine.has_unfinished_requests():  # done: its experts still serve the others
+                        self.controller.inference_wrapped_model.dummy_forward()
+                        continue
                     for record in self.engine.step_modern()["finished_request_records"]:
                         request = record.merge()
                         done[request.request_id] = request

@@ -113,10 +113,9 @@ def run_episodes(engine, runner, tokenizer, prompts: list[list[int]], metadata: 
     env = runner.env
     count = len(prompts) * n
     prompt = [list(prompts[i // n]) for i in range(count)]
-    texts = decode_texts(tokenizer, prompts)
     ids = [[] for _ in range(count)]
     per_token = {f: [[] for _ in range(count)] for f in list(OBSERVED)[: 5 if engine.filters(greedy) else 2]}
-    conversation = [[{"role": "user", "content": texts[i // n]}] for i in range(count)]
+    conversation = [[{"role": "user", "content": text}] for text in decode_texts(tokenizer, prompts) for _ in range(n)]
     meta = [dict(metadata[i // n]) for i in range(count)]
     stop = [list(engine.cfg.stop) + list(env.stop)] * count
     reward, answer, failed = [0.0] * count, [None] * count, [False] * count
@@ -128,13 +127,15 @@ def run_episodes(engine, runner, tokenizer, prompts: list[list[int]], metadata: 
         if tape is not None:
             routes[i] = torch.full((0, len(tape.layers), tape.topk), -1, dtype=torch.long)
     for turn in range(max_turns):
-        if not active:
+        if not engine.anyone(bool(active)):  # an expert-parallel group generates together
             break
         room = [budget - len(prompt[i]) - len(ids[i]) for i in active]
         out = engine.generate([prompt[i] + ids[i] for i in active], n=1, seed=sampling_seed(seed, round=turn),
                               greedy=greedy, stops=[stop[i] for i in active],
                               max_new_tokens=[min(engine.cfg.max_new_tokens, r) for r in room], tape=tape,
                               routes=[routes[i] for i in active] if tape is not None and turn else None)
+        if not active:  # this rank's episodes ended: its experts served the others' turn
+            continue
         for k, i in enumerate(active):
             if tape is not None:
                 routes[i] = out.routes[k]

@@ -28,15 +28,17 @@ from recipes import get_recipe
 
 
 EPISODES = "--episodes"
+UNEVEN = "--uneven"  # data-parallel rank 0's samples (episodes) end after 2 tokens (10 tokens), the others' later
 
 
 def main():
     out_dir, overrides = Path(sys.argv[1]), sys.argv[2:]
     cfg = apply_overrides(get_recipe("tiny_moe_grpo"), ["checkpoint.load=", "optimizer.lr=0.05", "optimizer.min_lr=0.05",
-                                                         "data.micro_batch_size=8", *(o for o in overrides if o != EPISODES)])
+                                                         "data.micro_batch_size=8", *(o for o in overrides if o not in (EPISODES, UNEVEN))])
     tokenizer = build_char_tokenizer("0123456789+=", out_dir / f"tokenizer{os.environ.get('RANK', '0')}")
     cfg.model.vocab_size = len(tokenizer)
     launch = platform.init_distributed()
+    cfg.fit_to_model({o.split("=", 1)[0] for o in overrides if o not in (EPISODES, UNEVEN)})  # as train.py: expert parallelism's dispatcher
     cfg.validate(launch.world_size)
     p = cfg.parallel
     platform.init_model_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp if p.vpp > 1 else None, cp=p.cp, ep=p.ep, etp=p.etp or None)
@@ -54,6 +56,10 @@ def main():
     g = torch.Generator().manual_seed(0)
     prompts = [[tokenizer.bos_token_id] + torch.randint(3, 15, (int(n),), generator=g).tolist()
                for n in torch.randint(3, 8, (8,), generator=g)]
+    short = UNEVEN in overrides and ps.get_data_parallel_rank() == 0  # its expert group's ranks end apart
+    dummies = []
+    wrapper = engine.controller.inference_wrapped_model
+    wrapper.dummy_forward = lambda forward=wrapper.dummy_forward: dummies.append(1) or forward()
     if EPISODES in overrides:  # three-turn episodes: later turns' prefills replay earlier tokens' routes
         from megatron_rl.environments import EnvRunner
         from megatron_rl.rollout.episodes import run_episodes
@@ -61,10 +67,10 @@ def main():
 
         runner = EnvRunner(Relay())
         rollout = run_episodes(engine, runner, tokenizer, prompts, [{}] * len(prompts), n=2, seed=0, max_turns=3,
-                               budget=cfg.data.seq_length + 1, tape=tape).rollout
+                               budget=10 if short else cfg.data.seq_length + 1, tape=tape).rollout
         runner.close()
     else:
-        rollout = engine.generate(prompts, n=2, seed=0, tape=tape)
+        rollout = engine.generate(prompts, n=2, seed=0, tape=tape, max_new_tokens=[2] * len(prompts) if short else None)
     packed = RLBatch.of(rollout, cfg.data.seq_length, tokenizer.pad_token_id, routes=True)  # top-p / top-k: kept sets
     packed.advantages = torch.randn(len(rollout.routes), generator=g)
     batch = packed.tensors()
@@ -78,7 +84,7 @@ def main():
         return dict(zip(c, t.tolist()))
 
     result = {"recorded_positions": int(sum((r >= 0).all(-1).all(-1).sum() for r in rollout.routes)),
-              "filtered": bool(rollout.thresholds),
+              "filtered": bool(rollout.thresholds), "dummy_forwards": len(dummies),
               "observation_tokens": int(sum(m.count(0.0) for m in rollout.masks))}
     logprobs_of(trainee.model, batch, cfg, tape, replay=False)
     result["before_update_observe"] = counts()
