@@ -150,7 +150,8 @@ def test_tiny_hybrid_grpo_learns_with_router_replay(tmp_path):
     """tiny_nemotron_h_sft shortened to 300 steps, then 20 GRPO steps with router replay on the
     hybrid's MoE layer. Calibrated with one thread, train.seed = data.seed = 0, 1, 2: held-out
     accuracy +20.1 / +10.2 / +16.8 points, rollout/training logprob mismatch at most 5.5e-6
-    (full length, 800 + 100 steps: +38.1 / +35.3 / +36.0 points, mismatch at most 6.4e-6)."""
+    (full length, 800 + 100 steps: +38.1 / +35.3 / +36.0 points, mismatch at most 6.4e-6). On another
+    CPU, with two test workers, the mismatch reached 1.07e-5: the bound is 2e-5."""
     seed = ["train.seed=0", "data.seed=0", "logging.progress=false", "logging.tensorboard=false"]
     run_train(["--recipe", "tiny_nemotron_h_sft", *seed, "train.max_steps=300", "train.eval_every=0",
                f"logging.run_dir={tmp_path / 'sft'}"])
@@ -158,5 +159,5 @@ def test_tiny_hybrid_grpo_learns_with_router_replay(tmp_path):
                f"checkpoint.load={tmp_path / 'sft'}", f"logging.run_dir={tmp_path / 'grpo'}"])
     accuracy = column(tmp_path / "grpo", "val/accuracy")
     assert accuracy[-1] - accuracy[0] >= 0.07, accuracy
-    assert max(column(tmp_path / "grpo", "rollout/logprob_mismatch_max")) <= 1e-5
+    assert max(column(tmp_path / "grpo", "rollout/logprob_mismatch_max")) <= 2e-5
     assert min(column(tmp_path / "grpo", "moe/routing_replay_frac")) == 1.0

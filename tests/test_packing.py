@@ -41,7 +41,8 @@ def single(tmp_path_factory):
 
 def _same(got, want, name):
     for key, tol in (("train/loss", 1e-6), ("train/grad_norm", 1e-5)):
-        assert column(got, key) == pytest.approx(column(want, key), rel=tol, abs=1e-9), (name, key)
+        # abs: GSPO's first loss is rounding noise about 0 (2e-9 and 5e-9 on one CPU, 5e-9 both on another)
+        assert column(got, key) == pytest.approx(column(want, key), rel=tol, abs=1e-8), (name, key)
 
 
 @pytest.mark.parametrize("name", RUNS)

@@ -118,7 +118,8 @@ def test_ppo_layouts_match_single_process(layout, single, sft_checkpoint, tmp_pa
     second clipping some values (a tight ppo.value_clip)."""
     _ppo(sft_checkpoint, tmp_path, *layout, nproc=processes(layout))
     assert column(tmp_path, "rollout/response_len_mean") == column(single, "rollout/response_len_mean")
-    for key in COMPARED:
-        assert column(tmp_path, key) == pytest.approx(column(single, key), rel=1e-5, abs=1e-7), key
+    for key in COMPARED:  # explained variance (0.025 at step 2) is a difference of near-equal variances
+        close = dict(rel=1e-5, abs=1e-6 if key == "train/explained_variance" else 1e-7)  # TP2: 2.6e-7 apart on one CPU
+        assert column(tmp_path, key) == pytest.approx(column(single, key), **close), key
     assert max(column(single, "train/value_clip_frac")) > 0
     assert len(column(single, "train/value_loss")) == 2 and len(column(single, "train/grad_norm")) == 1  # warm-up
