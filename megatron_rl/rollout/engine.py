@@ -113,6 +113,11 @@ def _wrapper_class():
     return TraineeWrapper
 
 
+def cuts(top_k: int, top_p: float) -> bool:
+    """Whether sampling with these settings keeps only part of the vocabulary (top_k=1 is greedy)."""
+    return top_k > 1 or 0.0 < top_p < 1.0
+
+
 def sampling_threshold(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """Per row of logits (n, V), a threshold below which the sampler drops every logit: the k largest
     logits are kept for top-k; for top-p the nucleus, the smallest prefix (most likely first) whose
@@ -175,7 +180,7 @@ def _fast_sampling_controller_class():
             self.thresholds = torch.full((len(last),), float("-inf"), device=last.device)
             self.filtering = False
             for indices, temp, top_k, top_p in self._torch_sampling_buckets:
-                self.filtering |= top_k > 1 or 0.0 < top_p < 1.0
+                self.filtering |= cuts(top_k, top_p)
                 rows = torch.tensor(indices, device=last.device)
                 self._sampled_tokens_cuda[rows], self.thresholds[rows] = self._sample(last[rows], temp, top_k, top_p)
 
@@ -184,10 +189,12 @@ def _fast_sampling_controller_class():
             n = context.total_request_count - context.paused_request_count
             last, tokens, threshold = logits.squeeze(0)[:n].float(), self._sampled_tokens_cuda[:n, None], self.thresholds[:n]
             full = last.log_softmax(dim=-1)
-            kept = last >= threshold[:, None]
-            filtered = last.masked_fill(~kept, float("-inf")).log_softmax(-1) if self.filtering else full
-            records = torch.stack([filtered.gather(-1, tokens)[:, 0], full.gather(-1, tokens)[:, 0], threshold,
-                                   kept.sum(dim=-1).float()], dim=1)
+            filtered, size = full, torch.zeros_like(threshold)  # without a filter nobody reads the sizes
+            if self.filtering:
+                kept = last >= threshold[:, None]
+                filtered, size = last.masked_fill(~kept, float("-inf")).log_softmax(-1), kept.sum(dim=-1).float()
+            records = torch.stack([filtered.gather(-1, tokens)[:, 0], full.gather(-1, tokens)[:, 0], threshold, size],
+                                  dim=1)
             return [[tuple(r)] for r in records.tolist()], full
 
     return FastSamplingController
@@ -351,7 +358,7 @@ class RolloutEngine:
 
     def filters(self, greedy: bool = False) -> bool:
         """Whether sampling keeps only part of the vocabulary (rollout.top_p, top_k > 1)."""
-        return not greedy and (0.0 < self.cfg.top_p < 1.0 or self.cfg.top_k > 1)
+        return not greedy and cuts(self.cfg.top_k, self.cfg.top_p)
 
     def generate(self, prompts: list[list[int]], n: int = 1, seed: int = 0, greedy: bool = False,
                  tape=None, stops: list[list[str]] | None = None, max_new_tokens: list[int] | None = None,
